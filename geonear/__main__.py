@@ -1,0 +1,3 @@
+from geonear.clients.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,322 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UploadMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPLOAD_MODE_UNSPECIFIED: _ClassVar[UploadMode]
+    CREATE: _ClassVar[UploadMode]
+    REPLACE: _ClassVar[UploadMode]
+    APPEND: _ClassVar[UploadMode]
+
+class MatrixDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MATRIX_DTYPE_UNSPECIFIED: _ClassVar[MatrixDtype]
+    FLOAT64: _ClassVar[MatrixDtype]
+    FLOAT32: _ClassVar[MatrixDtype]
+UPLOAD_MODE_UNSPECIFIED: UploadMode
+CREATE: UploadMode
+REPLACE: UploadMode
+APPEND: UploadMode
+MATRIX_DTYPE_UNSPECIFIED: MatrixDtype
+FLOAT64: MatrixDtype
+FLOAT32: MatrixDtype
+
+class ArrowData(_message.Message):
+    __slots__ = ("schema", "record_batch", "row_count")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    schema: bytes
+    record_batch: bytes
+    row_count: int
+    def __init__(self, schema: _Optional[bytes] = ..., record_batch: _Optional[bytes] = ..., row_count: _Optional[int] = ...) -> None: ...
+
+class Points(_message.Message):
+    __slots__ = ("lat", "lon", "arrow_ipc")
+    LAT_FIELD_NUMBER: _ClassVar[int]
+    LON_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    lat: _containers.RepeatedScalarFieldContainer[float]
+    lon: _containers.RepeatedScalarFieldContainer[float]
+    arrow_ipc: bytes
+    def __init__(self, lat: _Optional[_Iterable[float]] = ..., lon: _Optional[_Iterable[float]] = ..., arrow_ipc: _Optional[bytes] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("dataset", "mode", "lat_column", "lon_column", "id_column")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LAT_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    LON_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    ID_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    mode: UploadMode
+    lat_column: str
+    lon_column: str
+    id_column: str
+    def __init__(self, dataset: _Optional[str] = ..., mode: _Optional[_Union[UploadMode, str]] = ..., lat_column: _Optional[str] = ..., lon_column: _Optional[str] = ..., id_column: _Optional[str] = ...) -> None: ...
+
+class UploadRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    data: ArrowData
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., data: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
+
+class UploadResponse(_message.Message):
+    __slots__ = ("dataset", "rows_received")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    rows_received: int
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., rows_received: _Optional[int] = ...) -> None: ...
+
+class DeleteRowsRequest(_message.Message):
+    __slots__ = ("dataset", "int_ids", "string_ids")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    INT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRING_IDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    int_ids: _containers.RepeatedScalarFieldContainer[int]
+    string_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dataset: _Optional[str] = ..., int_ids: _Optional[_Iterable[int]] = ..., string_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteRowsResponse(_message.Message):
+    __slots__ = ("dataset", "rows_deleted", "ids_not_found")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    IDS_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    rows_deleted: int
+    ids_not_found: int
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., rows_deleted: _Optional[int] = ..., ids_not_found: _Optional[int] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+
+class GetDatasetRequest(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    def __init__(self, dataset: _Optional[str] = ...) -> None: ...
+
+class DropDatasetRequest(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    def __init__(self, dataset: _Optional[str] = ...) -> None: ...
+
+class DropDatasetResponse(_message.Message):
+    __slots__ = ("dataset", "version")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    version: int
+    def __init__(self, dataset: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Column(_message.Message):
+    __slots__ = ("name", "arrow_type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARROW_TYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arrow_type: str
+    def __init__(self, name: _Optional[str] = ..., arrow_type: _Optional[str] = ...) -> None: ...
+
+class BoundingBox(_message.Message):
+    __slots__ = ("min_lat", "min_lon", "max_lat", "max_lon")
+    MIN_LAT_FIELD_NUMBER: _ClassVar[int]
+    MIN_LON_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LON_FIELD_NUMBER: _ClassVar[int]
+    min_lat: float
+    min_lon: float
+    max_lat: float
+    max_lon: float
+    def __init__(self, min_lat: _Optional[float] = ..., min_lon: _Optional[float] = ..., max_lat: _Optional[float] = ..., max_lon: _Optional[float] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("name", "version", "rows", "host_bytes", "device_bytes", "columns", "bounding_box", "engine", "id_type", "created_unix_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDING_BOX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ID_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    rows: int
+    host_bytes: int
+    device_bytes: int
+    columns: _containers.RepeatedCompositeFieldContainer[Column]
+    bounding_box: BoundingBox
+    engine: str
+    id_type: str
+    created_unix_s: float
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., bounding_box: _Optional[_Union[BoundingBox, _Mapping]] = ..., engine: _Optional[str] = ..., id_type: _Optional[str] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
+
+class KnnRequest(_message.Message):
+    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISTANCE_M_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    queries: Points
+    k: int
+    max_distance_m: float
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RadiusRequest(_message.Message):
+    __slots__ = ("dataset", "queries", "radius_m", "columns")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    queries: Points
+    radius_m: float
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IdList(_message.Message):
+    __slots__ = ("int_ids", "string_ids")
+    INT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRING_IDS_FIELD_NUMBER: _ClassVar[int]
+    int_ids: _containers.RepeatedScalarFieldContainer[int]
+    string_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, int_ids: _Optional[_Iterable[int]] = ..., string_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DistanceMatrixRequest(_message.Message):
+    __slots__ = ("queries", "dataset", "ids", "targets", "dtype")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    queries: Points
+    dataset: str
+    ids: IdList
+    targets: Points
+    dtype: MatrixDtype
+    def __init__(self, queries: _Optional[_Union[Points, _Mapping]] = ..., dataset: _Optional[str] = ..., ids: _Optional[_Union[IdList, _Mapping]] = ..., targets: _Optional[_Union[Points, _Mapping]] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ...) -> None: ...
+
+class MatrixTile(_message.Message):
+    __slots__ = ("row_start", "col_start", "row_count", "col_count", "values", "total_rows", "total_cols", "earth_radius_m", "dtype")
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    COL_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    COL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COLS_FIELD_NUMBER: _ClassVar[int]
+    EARTH_RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    row_start: int
+    col_start: int
+    row_count: int
+    col_count: int
+    values: bytes
+    total_rows: int
+    total_cols: int
+    earth_radius_m: float
+    dtype: MatrixDtype
+    def __init__(self, row_start: _Optional[int] = ..., col_start: _Optional[int] = ..., row_count: _Optional[int] = ..., col_count: _Optional[int] = ..., values: _Optional[bytes] = ..., total_rows: _Optional[int] = ..., total_cols: _Optional[int] = ..., earth_radius_m: _Optional[float] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ...) -> None: ...
+
+class KMeansRequest(_message.Message):
+    __slots__ = ("dataset", "k", "seed", "n_init", "max_iter", "tol", "weight_column", "return_labels")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    N_INIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITER_FIELD_NUMBER: _ClassVar[int]
+    TOL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_COLUMN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    k: int
+    seed: int
+    n_init: int
+    max_iter: int
+    tol: float
+    weight_column: str
+    return_labels: bool
+    def __init__(self, dataset: _Optional[str] = ..., k: _Optional[int] = ..., seed: _Optional[int] = ..., n_init: _Optional[int] = ..., max_iter: _Optional[int] = ..., tol: _Optional[float] = ..., weight_column: _Optional[str] = ..., return_labels: _Optional[bool] = ...) -> None: ...
+
+class KMeansSummary(_message.Message):
+    __slots__ = ("centroids", "inertia_m2", "n_iter", "earth_radius_m", "dataset_version")
+    CENTROIDS_FIELD_NUMBER: _ClassVar[int]
+    INERTIA_M2_FIELD_NUMBER: _ClassVar[int]
+    N_ITER_FIELD_NUMBER: _ClassVar[int]
+    EARTH_RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    DATASET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    centroids: ArrowData
+    inertia_m2: float
+    n_iter: int
+    earth_radius_m: float
+    dataset_version: int
+    def __init__(self, centroids: _Optional[_Union[ArrowData, _Mapping]] = ..., inertia_m2: _Optional[float] = ..., n_iter: _Optional[int] = ..., earth_radius_m: _Optional[float] = ..., dataset_version: _Optional[int] = ...) -> None: ...
+
+class KMeansResponse(_message.Message):
+    __slots__ = ("summary", "labels")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    summary: KMeansSummary
+    labels: ArrowData
+    def __init__(self, summary: _Optional[_Union[KMeansSummary, _Mapping]] = ..., labels: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_k", "max_matrix_cells", "max_upload_rows", "max_message_bytes", "max_query_points")
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_MATRIX_CELLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUERY_POINTS_FIELD_NUMBER: _ClassVar[int]
+    max_k: int
+    max_matrix_cells: int
+    max_upload_rows: int
+    max_message_bytes: int
+    max_query_points: int
+    def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ...) -> None: ...
+
+class ServerInfoResponse(_message.Message):
+    __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EARTH_RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    backend: str
+    device: str
+    earth_radius_m: float
+    limits: Limits
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    pool_used_bytes: int
+    pool_total_bytes: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., earth_radius_m: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., pool_used_bytes: _Optional[int] = ..., pool_total_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,193 @@
+"""The one engine interface that every backend implements.
+
+An :class:`Engine` turns a dataset's points into a :class:`PointIndex` once per dataset
+version; the index answers KNN, radius and k-means queries over those points. Distance
+matrices between arbitrary point sets are an engine method. Inputs are host NumPy
+arrays of degrees (latitude first); outputs are host NumPy arrays, distances in
+great-circle metres, row numbers into the dataset.
+
+Exactness (DESIGN.md): every engine returns the float64 reference's answer: the same
+row numbers in the same order, except among neighbours whose distances differ by less
+than 1 mm, and distances within 1 mm of the reference's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+
+from geonear.service.geometry import EARTH_RADIUS_M
+
+MatrixDtype = Literal["float64", "float32"]
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """KNN answer for n queries.
+
+    Attributes
+    ----------
+    distances_m : ndarray of float64, shape (n, k)
+        Great-circle metres, nearest first; ``inf`` where a query has fewer than k
+        neighbours (small dataset or ``max_distance_m``).
+    indices : ndarray of int64, shape (n, k)
+        Dataset row numbers, ties broken by row order; ``-1`` where missing.
+    """
+
+    distances_m: np.ndarray
+    indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class RadiusNeighbours:
+    """Radius answer for n queries in compressed-row form.
+
+    The neighbours of query ``q`` are ``indices[offsets[q]:offsets[q + 1]]``, nearest
+    first, ties broken by row order, with their ``distances_m`` (float64 metres).
+    """
+
+    offsets: np.ndarray
+    indices: np.ndarray
+    distances_m: np.ndarray
+
+    @property
+    def query_index(self) -> np.ndarray:
+        """Query number of every result row, int64."""
+        counts = np.diff(self.offsets)
+        return np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+
+
+@dataclass(frozen=True)
+class KMeansResult:
+    """Spherical k-means answer.
+
+    Attributes
+    ----------
+    centroid_lat, centroid_lon : ndarray of float64, shape (k,)
+        Centroids in degrees.
+    sizes : ndarray of int64, shape (k,)
+        Members per cluster.
+    labels : ndarray of int32, shape (n,)
+        Cluster of every dataset row.
+    inertia_m2 : float
+        Sum of (weighted) squared great-circle distances to the assigned centroid, m^2.
+    n_iter : int
+        Lloyd iterations of the winning initialisation.
+    """
+
+    centroid_lat: np.ndarray
+    centroid_lon: np.ndarray
+    sizes: np.ndarray
+    labels: np.ndarray
+    inertia_m2: float
+    n_iter: int
+
+
+class PointIndex(ABC):
+    """A dataset version's points, prepared by one engine for queries."""
+
+    #: Number of points in the index.
+    n_points: int
+
+    @property
+    @abstractmethod
+    def host_bytes(self) -> int:
+        """Host memory held by the index beyond the dataset's own columns."""
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held by the index (0 for host engines)."""
+        return 0
+
+    @abstractmethod
+    def knn(
+        self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None = None
+    ) -> Neighbours:
+        """The k nearest points of each query; k larger than the set returns all."""
+
+    @abstractmethod
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        """All points within ``radius_m`` metres of each query."""
+
+    @abstractmethod
+    def kmeans(
+        self,
+        k: int,
+        *,
+        weights: np.ndarray | None = None,
+        seed: int = 0,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+    ) -> KMeansResult:
+        """Spherical k-means of the indexed points (see ``spherical_kmeans``)."""
+
+
+class Engine(ABC):
+    """A backend: builds indexes and computes distance matrices."""
+
+    #: Name used by ``--engine``/``--engines`` and reported by GetDataset.
+    name: ClassVar[str]
+    #: "cpu" or "gpu".
+    device_kind: ClassVar[str] = "cpu"
+
+    def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
+        self.earth_radius_m = float(earth_radius_m)
+
+    @abstractmethod
+    def build_index(self, lat: np.ndarray, lon: np.ndarray) -> PointIndex:
+        """Prepare a dataset's points (float64 degrees) for queries."""
+
+    @abstractmethod
+    def distance_matrix(
+        self,
+        lat1: np.ndarray,
+        lon1: np.ndarray,
+        lat2: np.ndarray,
+        lon2: np.ndarray,
+        dtype: MatrixDtype = "float64",
+    ) -> np.ndarray:
+        """Great-circle metres between every point of set 1 (rows) and set 2 (columns)."""
+
+    def warm_up(self) -> None:  # noqa: B027 - optional hook, host engines need none
+        """Compile and exercise kernels so the first query pays no JIT cost."""
+
+    def describe_device(self) -> str:
+        """A human description of the device this engine runs on."""
+        import os
+
+        return f"cpu: {os.cpu_count()} cores"
+
+
+def sort_neighbours(distances_m: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Order candidate neighbours per row by (distance, row number); missing (-1) last.
+
+    ``distances_m`` and ``indices`` have shape (n, c); missing entries must hold
+    ``inf`` and ``-1``.
+    """
+    if distances_m.size == 0:
+        return distances_m, indices
+    row_key = np.where(indices < 0, np.iinfo(np.int64).max, indices)
+    order = np.lexsort((row_key, distances_m), axis=-1)
+    return (
+        np.take_along_axis(distances_m, order, axis=-1),
+        np.take_along_axis(indices, order, axis=-1),
+    )
+
+
+def sort_radius(
+    query_index: np.ndarray, indices: np.ndarray, distances_m: np.ndarray, n_queries: int
+) -> RadiusNeighbours:
+    """Build the compressed-row radius answer, sorted by (query, distance, row)."""
+    order = np.lexsort((indices, distances_m, query_index))
+    counts = np.bincount(query_index, minlength=n_queries)
+    offsets = np.zeros(n_queries + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return RadiusNeighbours(
+        offsets=offsets,
+        indices=indices[order].astype(np.int64, copy=False),
+        distances_m=distances_m[order],
+    )

@@ -1,0 +1,110 @@
+"""Pieces shared by the host (NumPy) engines: exact re-ranking and matrices in tiles."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geonear.service.engines.base import (
+    Engine,
+    KMeansResult,
+    MatrixDtype,
+    Neighbours,
+    PointIndex,
+    RadiusNeighbours,
+    sort_neighbours,
+    sort_radius,
+)
+from geonear.service.engines.spherical_kmeans import spherical_kmeans
+from geonear.service.geometry import angle_between, great_circle_m, unit_vectors
+
+#: Bound on the number of (query, point) pairs evaluated at once by brute force.
+BLOCK_PAIRS = 1 << 22
+
+
+class HostIndex(PointIndex):
+    """Points kept as float64 degrees plus unit vectors in host memory."""
+
+    def __init__(self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float) -> None:
+        self.lat = np.ascontiguousarray(lat, dtype=np.float64)
+        self.lon = np.ascontiguousarray(lon, dtype=np.float64)
+        self.xyz = unit_vectors(self.lat, self.lon)
+        self.n_points = int(self.lat.shape[0])
+        self.earth_radius_m = earth_radius_m
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.xyz.nbytes)
+
+    def exact_neighbours(
+        self,
+        q_lat: np.ndarray,
+        q_lon: np.ndarray,
+        candidates: np.ndarray,
+        max_distance_m: float | None,
+    ) -> Neighbours:
+        """Great-circle distances of candidate rows (n, c; -1 = none), re-ranked exactly."""
+        valid = candidates >= 0
+        rows = np.where(valid, candidates, 0)
+        dist = great_circle_m(
+            q_lat[:, None], q_lon[:, None], self.lat[rows], self.lon[rows], self.earth_radius_m
+        )
+        if max_distance_m is not None:
+            valid &= dist <= max_distance_m
+        dist = np.where(valid, dist, np.inf)
+        idx = np.where(valid, candidates, -1).astype(np.int64, copy=False)
+        d, i = sort_neighbours(dist, idx)
+        return Neighbours(distances_m=d, indices=i)
+
+    def exact_radius(
+        self,
+        q_lat: np.ndarray,
+        q_lon: np.ndarray,
+        query_index: np.ndarray,
+        rows: np.ndarray,
+        radius_m: float,
+    ) -> RadiusNeighbours:
+        """Keep the candidate (query, row) pairs within ``radius_m``, sorted exactly."""
+        dist = great_circle_m(
+            q_lat[query_index], q_lon[query_index], self.lat[rows], self.lon[rows],
+            self.earth_radius_m,
+        )
+        keep = dist <= radius_m
+        return sort_radius(query_index[keep], rows[keep], dist[keep], q_lat.shape[0])
+
+    def kmeans(
+        self,
+        k: int,
+        *,
+        weights: np.ndarray | None = None,
+        seed: int = 0,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+    ) -> KMeansResult:
+        return spherical_kmeans(
+            self.xyz, k, weights=weights, seed=seed, n_init=n_init, max_iter=max_iter,
+            tol=tol, earth_radius_m=self.earth_radius_m, xp=np,
+        )
+
+
+class HostEngine(Engine):
+    """Distance matrices with NumPy over unit vectors, in tiles of bounded size."""
+
+    def distance_matrix(
+        self,
+        lat1: np.ndarray,
+        lon1: np.ndarray,
+        lat2: np.ndarray,
+        lon2: np.ndarray,
+        dtype: MatrixDtype = "float64",
+    ) -> np.ndarray:
+        np_dtype = np.dtype(dtype)
+        a = unit_vectors(lat1, lon1, dtype=np_dtype)
+        b = unit_vectors(lat2, lon2, dtype=np_dtype)
+        out = np.empty((a.shape[0], b.shape[0]), dtype=np_dtype)
+        step = max(1, BLOCK_PAIRS // max(1, b.shape[0]))
+        radius = np_dtype.type(self.earth_radius_m)
+        for start in range(0, a.shape[0], step):
+            block = a[start : start + step, None, :]
+            out[start : start + step] = radius * angle_between(block, b[None, :, :])
+        return out

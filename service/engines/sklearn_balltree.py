@@ -1,0 +1,59 @@
+"""scikit-learn's BallTree with the haversine metric, kept for comparison.
+
+BallTree takes (lat, lon) in radians and returns haversine angles, which lose
+precision near antipodes; candidates are re-measured with the exact float64 formula
+and re-ranked, so answers match the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.neighbors import BallTree
+
+from geonear.service.engines.base import Neighbours, RadiusNeighbours
+from geonear.service.engines.host import HostEngine, HostIndex
+
+_ANGLE_SLACK = 1e-9
+
+
+class BallTreeIndex(HostIndex):
+    def __init__(self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float) -> None:
+        super().__init__(lat, lon, earth_radius_m)
+        self.tree = BallTree(np.radians(np.column_stack([self.lat, self.lon])),
+                             metric="haversine")
+
+    @property
+    def host_bytes(self) -> int:
+        data, idx, nodes, bounds = self.tree.get_arrays()
+        return int(self.xyz.nbytes + data.nbytes + idx.nbytes + nodes.nbytes + bounds.nbytes)
+
+    def _radians(self, lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
+        return np.radians(np.column_stack([lat, lon]))
+
+    def knn(
+        self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None = None
+    ) -> Neighbours:
+        kk = min(k, self.n_points)
+        if kk == 0 or lat.shape[0] == 0:
+            n_q = lat.shape[0]
+            return Neighbours(np.full((n_q, kk), np.inf), np.full((n_q, kk), -1, np.int64))
+        _, idx = self.tree.query(self._radians(lat, lon), k=kk)
+        return self.exact_neighbours(lat, lon, idx.astype(np.int64), max_distance_m)
+
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        angle = radius_m / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
+        found = self.tree.query_radius(self._radians(lat, lon), r=angle)
+        counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=lat.shape[0])
+        rows = (np.concatenate(found).astype(np.int64) if counts.sum()
+                else np.empty(0, dtype=np.int64))
+        query_index = np.repeat(np.arange(lat.shape[0], dtype=np.int64), counts)
+        return self.exact_radius(lat, lon, query_index, rows, radius_m)
+
+
+class SklearnEngine(HostEngine):
+    """BallTree(haversine) for KNN and radius; NumPy for matrices and k-means."""
+
+    name = "sklearn"
+
+    def build_index(self, lat: np.ndarray, lon: np.ndarray) -> BallTreeIndex:
+        return BallTreeIndex(lat, lon, self.earth_radius_m)
