@@ -33,6 +33,7 @@ __all__ = [
     "RadiusNeighbours",
     "create_engine",
     "engine_names",
+    "runnable_engine_names",
     "gpu_available",
 ]
 
@@ -53,7 +54,14 @@ class EngineUnavailable(RuntimeError):
 
 
 def engine_names() -> list[str]:
+    """Every engine geonear knows, runnable here or not."""
     return list(_ENGINES)
+
+
+def runnable_engine_names() -> list[str]:
+    """The engines this host can run (GPU engines only with a working GPU)."""
+    has_gpu = gpu_available()[0]
+    return [n for n in _ENGINES if has_gpu or n not in GPU_ENGINES]
 
 
 _gpu_probe: tuple[bool, str] | None = None

@@ -155,6 +155,10 @@ class Engine(ABC):
     def warm_up(self) -> None:  # noqa: B027 - optional hook, host engines need none
         """Compile and exercise kernels so the first query pays no JIT cost."""
 
+    def memory_pool_bytes(self) -> tuple[int, int]:
+        """(bytes in use, bytes reserved) of the engine's device memory pool; (0, 0) on host."""
+        return (0, 0)
+
     def describe_device(self) -> str:
         """A human description of the device this engine runs on."""
         import os

@@ -1,0 +1,65 @@
+"""Pieces every query kind shares: checking query points and shaping result tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from geonear.service.errors import DatasetNotFound, InvalidInput, LimitExceeded
+from geonear.service.settings import Limits
+from geonear.service.store import DatasetVersion
+from geonear.service.validation import RESERVED, check_coordinates
+
+
+def check_queries(lat: np.ndarray, lon: np.ndarray, limits: Limits) -> None:
+    if lat.shape[0] > limits.max_query_points:
+        raise LimitExceeded(
+            f"{lat.shape[0]} query points exceed max_query_points={limits.max_query_points} "
+            "(setting GEONEAR_MAX_QUERY_POINTS); send them in several requests"
+        )
+    check_coordinates(lat, lon, "query points")
+
+
+def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
+    """The requested attribute columns, each present in the dataset."""
+    names = dataset.table.column_names
+    out = []
+    for name in columns:
+        if name in RESERVED or name in ("query_index", "rank", "distance_m"):
+            raise InvalidInput(f"column {name!r} is always returned; ask only for attributes")
+        if name not in names:
+            raise DatasetNotFound(
+                f"dataset {dataset.name!r} has no column {name!r}; it has "
+                f"{', '.join(n for n in names if n not in RESERVED) or 'no attributes'}"
+            )
+        out.append(name)
+    return out
+
+
+def neighbour_table(
+    dataset: DatasetVersion,
+    query_index: np.ndarray,
+    rank: np.ndarray,
+    rows: np.ndarray,
+    distances_m: np.ndarray,
+    columns: Sequence[str],
+    earth_radius_m: float,
+) -> pa.Table:
+    """Result rows: query_index, rank, id, distance_m, then the requested attributes."""
+    take = pa.array(rows, type=pa.int64())
+    data = {
+        "query_index": pa.array(query_index, type=pa.int64()),
+        "rank": pa.array(rank, type=pa.int32()),
+        "id": dataset.table.column("id").take(take),
+        "distance_m": pa.array(distances_m, type=pa.float64()),
+    }
+    for name in columns:
+        data[name] = dataset.table.column(name).take(take)
+    metadata = {
+        "geonear.dataset": dataset.name,
+        "geonear.version": str(dataset.version),
+        "geonear.earth_radius_m": repr(earth_radius_m),
+    }
+    return pa.table(data).replace_schema_metadata(metadata)

@@ -1,0 +1,253 @@
+"""The gRPC servicer: decodes requests, calls the domain functions, encodes answers.
+
+Nothing here computes; every RPC is a few lines around ``geonear.service.queries`` and
+the store. Domain errors become status codes with their message (``_translate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pyarrow as pa
+
+from geonear import __version__
+from geonear._wire import BatchDecoder, WireError, points_from_message, table_to_messages
+from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
+from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
+from geonear.service.queries import kmeans as kmeans_query
+from geonear.service.queries.knn import knn
+from geonear.service.queries.matrix import distance_tiles
+from geonear.service.queries.radius import radius
+from geonear.service.settings import ServerSettings
+from geonear.service.store import DatasetStore, DatasetVersion
+from geonear.service.validation import check_dataset_name, normalise_upload
+from geonear.v1 import geonear_pb2 as pb
+from geonear.v1 import geonear_pb2_grpc as pb_grpc
+
+log = logging.getLogger("geonear.servicer")
+
+_MODES = {pb.UPLOAD_MODE_UNSPECIFIED: "create", pb.CREATE: "create", pb.REPLACE: "replace",
+          pb.APPEND: "append"}
+_DTYPES = {pb.MATRIX_DTYPE_UNSPECIFIED: "float64", pb.FLOAT64: "float64", pb.FLOAT32: "float32"}
+
+
+@contextlib.contextmanager
+def _translate(context: grpc.ServicerContext) -> Iterator[None]:
+    """Turn domain errors into a status code and message; never let one crash the server."""
+    try:
+        yield
+    except ServiceError as exc:
+        code = grpc.StatusCode[exc.status]
+        if isinstance(exc, Cancelled) and context.time_remaining() is not None \
+                and context.time_remaining() <= 0:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        context.abort(code, str(exc))
+    except WireError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except EngineUnavailable as exc:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    except MemoryError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"out of memory: {exc or 'allocation failed'}; use fewer points per call")
+
+
+def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
+    min_lat, min_lon, max_lat, max_lon = d.bounding_box()
+    return pb.DatasetInfo(
+        name=d.name, version=d.version, rows=d.rows, host_bytes=d.host_bytes,
+        device_bytes=d.index.device_bytes,
+        columns=[pb.Column(name=f.name, arrow_type=str(f.type)) for f in d.table.schema],
+        bounding_box=pb.BoundingBox(min_lat=min_lat, min_lon=min_lon, max_lat=max_lat,
+                                    max_lon=max_lon),
+        engine=d.engine, id_type=d.id_type, created_unix_s=d.created_unix_s,
+    )
+
+
+class GeoNearServicer(pb_grpc.GeoNearServicer):
+    def __init__(self, store: DatasetStore, settings: ServerSettings, backend: str) -> None:
+        self.store = store
+        self.settings = settings
+        self.limits = settings.limits
+        self.engine: Engine = store.engine
+        self.backend = backend
+
+    # -- datasets ------------------------------------------------------------------------
+    def Upload(self, request_iterator, context):
+        with _translate(context):
+            header: pb.UploadHeader | None = None
+            decoder = BatchDecoder()
+            batches: list[pa.RecordBatch] = []
+            rows = 0
+            for message in request_iterator:
+                if header is None:
+                    if not message.HasField("header"):
+                        raise InvalidInput("the first Upload message must carry the header")
+                    header = message.header
+                    check_dataset_name(header.dataset)
+                elif message.HasField("header"):
+                    raise InvalidInput("only the first Upload message may carry a header")
+                batch = decoder.decode(message.data) if message.HasField("data") else None
+                if batch is None:
+                    continue
+                rows += batch.num_rows
+                if rows > self.limits.max_upload_rows:
+                    raise LimitExceeded(
+                        f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
+                        "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append"
+                    )
+                batches.append(batch)
+            if header is None:
+                raise InvalidInput("the Upload stream was empty")
+            if decoder.schema is None:
+                raise InvalidInput("the Upload stream carried no Arrow schema")
+            if not context.is_active():
+                raise InvalidInput("the upload was cancelled; nothing was stored")
+            mode = _MODES.get(header.mode)
+            if mode is None:
+                raise InvalidInput(f"unknown upload mode {header.mode}")
+            table = pa.Table.from_batches(batches, schema=decoder.schema)
+            table = normalise_upload(table, header.lat_column, header.lon_column,
+                                     header.id_column, self._next_row_id(header.dataset, mode))
+            version = self.store.upload(header.dataset, mode, table)
+            return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
+
+    def _next_row_id(self, name: str, mode: str) -> int:
+        """First row-number id for an upload without ids (appends continue the numbering)."""
+        if mode != "append":
+            return 0
+        try:
+            ids = self.store.get(name).table.column("id")
+        except ServiceError:
+            return 0
+        return int(pa.compute.max(ids).as_py()) + 1 if pa.types.is_integer(ids.type) else 0
+
+    def DeleteRows(self, request, context):
+        with _translate(context):
+            if request.int_ids and request.string_ids:
+                raise InvalidInput("give int_ids or string_ids, not both")
+            current = self.store.get(request.dataset)
+            is_int = pa.types.is_integer(current.table.column("id").type)
+            if (is_int and request.string_ids) or (not is_int and request.int_ids):
+                raise InvalidInput(f"dataset {request.dataset!r} has {current.id_type} ids")
+            ids = list(request.int_ids) if is_int else list(request.string_ids)
+            version, deleted, missing = self.store.delete_rows(request.dataset, ids)
+            return pb.DeleteRowsResponse(dataset=dataset_info(version), rows_deleted=deleted,
+                                         ids_not_found=missing)
+
+    def ListDatasets(self, request, context):
+        return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.list()])
+
+    def GetDataset(self, request, context):
+        with _translate(context):
+            return dataset_info(self.store.get(request.dataset))
+
+    def DropDataset(self, request, context):
+        with _translate(context):
+            dropped = self.store.drop(request.dataset)
+            return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
+
+    # -- queries -------------------------------------------------------------------------
+    def Knn(self, request, context):
+        with _translate(context):
+            dataset = self.store.get(request.dataset)
+            lat, lon = points_from_message(request.queries)
+            table = knn(
+                dataset, lat, lon, int(request.k),
+                max_distance_m=request.max_distance_m if request.HasField("max_distance_m")
+                else None,
+                columns=list(request.columns), limits=self.limits,
+                earth_radius_m=self.engine.earth_radius_m,
+            )
+            yield from table_to_messages(table)
+
+    def Radius(self, request, context):
+        with _translate(context):
+            dataset = self.store.get(request.dataset)
+            lat, lon = points_from_message(request.queries)
+            table = radius(dataset, lat, lon, float(request.radius_m),
+                           columns=list(request.columns), limits=self.limits,
+                           earth_radius_m=self.engine.earth_radius_m)
+            yield from table_to_messages(table)
+
+    def DistanceMatrix(self, request, context):
+        with _translate(context):
+            lat1, lon1 = points_from_message(request.queries)
+            lat2, lon2 = self._matrix_columns(request)
+            dtype = _DTYPES.get(request.dtype)
+            if dtype is None:
+                raise InvalidInput(f"unknown matrix dtype {request.dtype}")
+            for tile in distance_tiles(self.engine, lat1, lon1, lat2, lon2, dtype, self.limits,
+                                       is_active=context.is_active):
+                yield pb.MatrixTile(
+                    row_start=tile.row_start, col_start=tile.col_start,
+                    row_count=tile.values.shape[0], col_count=tile.values.shape[1],
+                    values=np.ascontiguousarray(tile.values, dtype=f"<{dtype[0]}"
+                                                f"{tile.values.itemsize}").tobytes(),
+                    total_rows=lat1.shape[0], total_cols=lat2.shape[0],
+                    earth_radius_m=self.engine.earth_radius_m, dtype=request.dtype or pb.FLOAT64,
+                )
+
+    def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
+        if not request.dataset:
+            if request.HasField("ids"):
+                raise InvalidInput("ids select columns of a dataset; name the dataset")
+            if not request.HasField("targets"):
+                raise InvalidInput("give a dataset or inline targets for the matrix columns")
+            return points_from_message(request.targets)
+        if request.HasField("targets"):
+            raise InvalidInput("give a dataset or inline targets, not both")
+        dataset = self.store.get(request.dataset)
+        if not request.HasField("ids") or not (request.ids.int_ids or request.ids.string_ids):
+            return dataset.lat, dataset.lon
+        wanted = list(request.ids.int_ids) or list(request.ids.string_ids)
+        id_col = dataset.table.column("id")
+        try:
+            wanted_arr = pa.array(wanted, type=id_col.type)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
+            raise InvalidInput(f"ids do not match the dataset's {id_col.type} ids") from exc
+        rows = pa.compute.index_in(wanted_arr, value_set=id_col)
+        if rows.null_count:
+            missing = [wanted[i] for i in np.flatnonzero(rows.is_null().to_numpy(
+                zero_copy_only=False))[:5]]
+            raise InvalidInput(f"{rows.null_count} id(s) not in {request.dataset!r} "
+                               f"(first: {missing})")
+        idx = rows.to_numpy()
+        return dataset.lat[idx], dataset.lon[idx]
+
+    def KMeans(self, request, context):
+        with _translate(context):
+            dataset = self.store.get(request.dataset)
+            result = kmeans_query.kmeans(
+                dataset, int(request.k), seed=int(request.seed), n_init=request.n_init or 1,
+                max_iter=request.max_iter or 100, tol=request.tol or 1e-6,
+                weight_column=request.weight_column, limits=self.limits,
+            )
+            # k <= max_k keeps the centroid table small enough for one message.
+            (centroids,) = table_to_messages(kmeans_query.centroid_table(result),
+                                             batch_bytes=1 << 62)
+            yield pb.KMeansResponse(summary=pb.KMeansSummary(
+                centroids=centroids, inertia_m2=result.inertia_m2, n_iter=result.n_iter,
+                earth_radius_m=self.engine.earth_radius_m, dataset_version=dataset.version,
+            ))
+            if request.return_labels:
+                for message in table_to_messages(kmeans_query.label_table(dataset, result)):
+                    yield pb.KMeansResponse(labels=message)
+
+    def ServerInfo(self, request, context):
+        used, total = self.engine.memory_pool_bytes()
+        limits = self.limits
+        return pb.ServerInfoResponse(
+            version=__version__, backend=self.backend, device=self.engine.describe_device(),
+            earth_radius_m=self.engine.earth_radius_m,
+            limits=pb.Limits(max_k=limits.max_k, max_matrix_cells=limits.max_matrix_cells,
+                             max_upload_rows=limits.max_upload_rows,
+                             max_message_bytes=limits.max_message_bytes,
+                             max_query_points=limits.max_query_points),
+            engines=[self.engine.name,
+                     *[n for n in runnable_engine_names() if n != self.engine.name]],
+            pool_used_bytes=used, pool_total_bytes=total,
+        )
