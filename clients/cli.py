@@ -39,9 +39,12 @@ def _floats(text: str) -> list[float]:
 
 # -- serve -----------------------------------------------------------------------------
 def _add_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the gRPC server",
-                       description="Run the geonear server. Settings also come from "
-                                   "GEONEAR_* environment variables.")
+    p = sub.add_parser(
+        "serve",
+        help="run the gRPC server",
+        description="Run the geonear server. Settings also come from "
+        "GEONEAR_* environment variables.",
+    )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 50051; 0 picks a free one)")
     p.add_argument("--data-dir", help="directory where datasets persist (default ./geonear-data)")
@@ -50,8 +53,12 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--engine", help="engine overriding the backend's (sklearn, numpy-brute, ...)")
     p.add_argument("--earth-radius-m", type=float, help="sphere radius (default 6371008.8)")
     p.add_argument("--max-workers", type=int, help="threads serving RPCs (default 16)")
-    p.add_argument("--demo", action="store_true", default=None,
-                   help="load the bundled airports and cities data sets at start")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        default=None,
+        help="load the bundled airports and cities data sets at start",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_serve)
 
@@ -60,13 +67,23 @@ def _serve(args: argparse.Namespace) -> int:
     from geonear.service.server import serve
     from geonear.service.settings import ServerSettings
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    given = {k: v for k, v in {
-        "host": args.host, "port": args.port, "data_dir": args.data_dir,
-        "backend": args.backend, "engine": args.engine, "earth_radius_m": args.earth_radius_m,
-        "max_workers": args.max_workers, "demo": args.demo,
-    }.items() if v is not None}
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    given = {
+        k: v
+        for k, v in {
+            "host": args.host,
+            "port": args.port,
+            "data_dir": args.data_dir,
+            "backend": args.backend,
+            "engine": args.engine,
+            "earth_radius_m": args.earth_radius_m,
+            "max_workers": args.max_workers,
+            "demo": args.demo,
+        }.items()
+        if v is not None
+    }
     if args.memory_only:
         given["data_dir"] = None
     serve(ServerSettings(**given))
@@ -83,21 +100,36 @@ def _client_parser(sub: Any, name: str, help: str, func: Callable[..., int]) -> 
 
 
 def _datasets(client: Client, args: argparse.Namespace) -> int:
-    rows = [{"name": d.name, "version": d.version, "rows": d.rows, "host_bytes": d.host_bytes,
-             "device_bytes": d.device_bytes, "engine": d.engine} for d in client.datasets()]
-    _print_frame(pd.DataFrame(rows, columns=["name", "version", "rows", "host_bytes",
-                                             "device_bytes", "engine"]), "datasets")
+    rows = [
+        {
+            "name": d.name,
+            "version": d.version,
+            "rows": d.rows,
+            "host_bytes": d.host_bytes,
+            "device_bytes": d.device_bytes,
+            "engine": d.engine,
+        }
+        for d in client.datasets()
+    ]
+    _print_frame(
+        pd.DataFrame(
+            rows, columns=["name", "version", "rows", "host_bytes", "device_bytes", "engine"]
+        ),
+        "datasets",
+    )
     return 0
 
 
 def _info(client: Client, args: argparse.Namespace) -> int:
     d = client.info(args.name)
     b = d.bounding_box
-    _console.print(f"[bold]{d.name}[/] version {d.version}: {d.rows} rows, engine {d.engine}, "
-                   f"ids {d.id_type}\n  host bytes {d.host_bytes}, device bytes "
-                   f"{d.device_bytes}\n  bounding box lat [{b.min_lat}, {b.max_lat}] lon "
-                   f"[{b.min_lon}, {b.max_lon}]\n  columns: "
-                   + ", ".join(f"{c.name} ({c.arrow_type})" for c in d.columns))
+    _console.print(
+        f"[bold]{d.name}[/] version {d.version}: {d.rows} rows, engine {d.engine}, "
+        f"ids {d.id_type}\n  host bytes {d.host_bytes}, device bytes "
+        f"{d.device_bytes}\n  bounding box lat [{b.min_lat}, {b.max_lat}] lon "
+        f"[{b.min_lon}, {b.max_lon}]\n  columns: "
+        + ", ".join(f"{c.name} ({c.arrow_type})" for c in d.columns)
+    )
     return 0
 
 
@@ -108,7 +140,9 @@ def _drop(client: Client, args: argparse.Namespace) -> int:
 
 
 def _add_points(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lat", required=True, type=_floats, help="latitude(s), degrees, comma-separated")
+    p.add_argument(
+        "--lat", required=True, type=_floats, help="latitude(s), degrees, comma-separated"
+    )
     p.add_argument("--lon", required=True, type=_floats, help="longitude(s), degrees")
     p.add_argument("--columns", default="", help="attribute columns to add, comma-separated")
 
@@ -118,8 +152,14 @@ def _columns(args: argparse.Namespace) -> list[str]:
 
 
 def _knn(client: Client, args: argparse.Namespace) -> int:
-    frame = client.knn(args.name, args.lat, args.lon, k=args.k,
-                       max_distance_m=args.max_distance_m, columns=_columns(args))
+    frame = client.knn(
+        args.name,
+        args.lat,
+        args.lon,
+        k=args.k,
+        max_distance_m=args.max_distance_m,
+        columns=_columns(args),
+    )
     _print_frame(frame, f"{args.k} nearest in {args.name}")
     return 0
 
@@ -133,20 +173,30 @@ def _radius(client: Client, args: argparse.Namespace) -> int:
 def _matrix(client: Client, args: argparse.Namespace) -> int:
     if args.name is None and args.lat2 is None:
         raise ValueError("give a dataset NAME or --lat2/--lon2")
-    m = client.distance_matrix(args.lat, args.lon, name=args.name, lat2=args.lat2,
-                               lon2=args.lon2, dtype=args.dtype)
+    m = client.distance_matrix(
+        args.lat, args.lon, name=args.name, lat2=args.lat2, lon2=args.lon2, dtype=args.dtype
+    )
     if args.out:
         np.save(args.out, m)
         _console.print(f"wrote a {m.shape[0]} x {m.shape[1]} {m.dtype} matrix to {args.out}")
     else:
-        _print_frame(pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
-                     "distance matrix, metres")
+        _print_frame(
+            pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
+            "distance matrix, metres",
+        )
     return 0
 
 
 def _kmeans(client: Client, args: argparse.Namespace) -> int:
-    out = client.kmeans(args.name, args.k, seed=args.seed, n_init=args.n_init,
-                        max_iter=args.max_iter, tol=args.tol, weights=args.weights)
+    out = client.kmeans(
+        args.name,
+        args.k,
+        seed=args.seed,
+        n_init=args.n_init,
+        max_iter=args.max_iter,
+        tol=args.tol,
+        weights=args.weights,
+    )
     _print_frame(out.centroids, f"{args.k} clusters of {args.name}")
     _console.print(f"inertia {out.inertia_m2:.6g} m^2 after {out.n_iter} iterations")
     return 0
@@ -154,8 +204,10 @@ def _kmeans(client: Client, args: argparse.Namespace) -> int:
 
 def _server_info(client: Client, args: argparse.Namespace) -> int:
     i = client.server_info()
-    _console.print(f"geonear {i.version}: backend {i.backend} on {i.device}; earth radius "
-                   f"{i.earth_radius_m} m; engines {', '.join(i.engines)}")
+    _console.print(
+        f"geonear {i.version}: backend {i.backend} on {i.device}; earth radius "
+        f"{i.earth_radius_m} m; engines {', '.join(i.engines)}"
+    )
     _console.print(str(i.limits).strip().replace("\n", "; "))
     return 0
 
@@ -164,6 +216,7 @@ def _run_client(func: Callable[[Client, argparse.Namespace], int]) -> Callable[.
     def run(args: argparse.Namespace) -> int:
         with Client(args.target, timeout_s=args.timeout_s) as client:
             return func(client, args)
+
     return run
 
 
@@ -172,18 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _client_parser(sub, "datasets", "list the datasets", _run_client(_datasets))
-    _client_parser(sub, "server-info", "show the server's version, backend and limits",
-                   _run_client(_server_info))
-    for name, help_text, func in (("info", "describe a dataset", _info),
-                                  ("drop", "drop a dataset", _drop)):
+    _client_parser(
+        sub,
+        "server-info",
+        "show the server's version, backend and limits",
+        _run_client(_server_info),
+    )
+    for name, help_text, func in (
+        ("info", "describe a dataset", _info),
+        ("drop", "drop a dataset", _drop),
+    ):
         _client_parser(sub, name, help_text, _run_client(func)).add_argument("name")
     p = _client_parser(sub, "knn", "k nearest neighbours of query points", _run_client(_knn))
     p.add_argument("name")
     _add_points(p)
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--max-distance-m", type=float, default=None)
-    p = _client_parser(sub, "radius", "points within a radius of query points",
-                       _run_client(_radius))
+    p = _client_parser(
+        sub, "radius", "points within a radius of query points", _run_client(_radius)
+    )
     p.add_argument("name")
     _add_points(p)
     p.add_argument("--radius-m", type=float, required=True)
@@ -221,7 +281,8 @@ def _add_optional_commands(sub: Any) -> None:
         except ImportError:
             continue
         adder = getattr(module, f"add_{command}_arguments", None) or getattr(
-            module, "add_arguments", None)
+            module, "add_arguments", None
+        )
         runner = getattr(module, f"run_{command}", None) or getattr(module, "run", None)
         if adder is None or runner is None:
             continue

@@ -44,8 +44,9 @@ def _as_points(lat: Any, lon: Any) -> tuple[np.ndarray, np.ndarray]:
     lat_a = np.atleast_1d(np.asarray(lat, dtype=np.float64))
     lon_a = np.atleast_1d(np.asarray(lon, dtype=np.float64))
     if lat_a.shape != lon_a.shape or lat_a.ndim != 1:
-        raise ValueError(f"lat and lon must be 1-D of one length, got {lat_a.shape} and "
-                         f"{lon_a.shape}")
+        raise ValueError(
+            f"lat and lon must be 1-D of one length, got {lat_a.shape} and {lon_a.shape}"
+        )
     return lat_a, lon_a
 
 
@@ -58,8 +59,10 @@ def _as_table(data: Any) -> Iterator[pa.RecordBatch] | pa.Table:
         return pa.Table.from_batches([data])
     if isinstance(data, pd.DataFrame):
         return pa.Table.from_pandas(data, preserve_index=False)
-    raise TypeError(f"upload takes a pandas DataFrame, pyarrow Table, RecordBatch or "
-                    f"RecordBatchReader, got {type(data).__name__}")
+    raise TypeError(
+        f"upload takes a pandas DataFrame, pyarrow Table, RecordBatch or "
+        f"RecordBatchReader, got {type(data).__name__}"
+    )
 
 
 class Client:
@@ -73,13 +76,22 @@ class Client:
         Default deadline of every call, seconds (None: no deadline).
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float | None = None,
-                 channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout_s: float | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._channel = channel or grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", _MESSAGE_BYTES),
-                             ("grpc.max_receive_message_length", _MESSAGE_BYTES)])
+            target,
+            options=[
+                ("grpc.max_send_message_length", _MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _MESSAGE_BYTES),
+            ],
+        )
         self._stub = pb_grpc.GeoNearStub(self._channel)
         self._on_close: list[Any] = []
 
@@ -109,8 +121,17 @@ class Client:
             raise from_rpc_error(exc) from exc
 
     # -- datasets ------------------------------------------------------------------------
-    def upload(self, name: str, data: Any, *, lat: str = "lat", lon: str = "lon", id: str = "id",
-               mode: str = "create", timeout_s: float | None = None) -> pb.DatasetInfo:
+    def upload(
+        self,
+        name: str,
+        data: Any,
+        *,
+        lat: str = "lat",
+        lon: str = "lon",
+        id: str = "id",
+        mode: str = "create",
+        timeout_s: float | None = None,
+    ) -> pb.DatasetInfo:
         """Upload a DataFrame, Table or RecordBatchReader as dataset ``name``.
 
         ``mode`` is create (fails if the name exists), replace or append. Returns the
@@ -118,8 +139,9 @@ class Client:
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
-        header = pb.UploadHeader(dataset=name, mode=_MODES[mode], lat_column=lat,
-                                 lon_column=lon, id_column=id)
+        header = pb.UploadHeader(
+            dataset=name, mode=_MODES[mode], lat_column=lat, lon_column=lon, id_column=id
+        )
         source = _as_table(data)
 
         def requests() -> Iterator[pb.UploadRequest]:
@@ -164,13 +186,15 @@ class Client:
         return self._call("ServerInfo", pb.ServerInfoRequest())
 
     # -- queries -------------------------------------------------------------------------
-    def _neighbour_query(self, method: str, make_request: Any, lat: Any, lon: Any,
-                         as_arrow: bool) -> pd.DataFrame | pa.Table:
+    def _neighbour_query(
+        self, method: str, make_request: Any, lat: Any, lon: Any, as_arrow: bool
+    ) -> pd.DataFrame | pa.Table:
         lat_a, lon_a = _as_points(lat, lon)
         parts = []
         for start in range(0, max(1, lat_a.shape[0]), QUERY_CHUNK):
-            points = points_to_message(lat_a[start:start + QUERY_CHUNK],
-                                       lon_a[start:start + QUERY_CHUNK])
+            points = points_to_message(
+                lat_a[start : start + QUERY_CHUNK], lon_a[start : start + QUERY_CHUNK]
+            )
             table = messages_to_table(self._stream(method, make_request(points)))
             if start:
                 offset = pa.compute.add(table.column("query_index"), start)
@@ -179,30 +203,64 @@ class Client:
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         return table if as_arrow else table.to_pandas()
 
-    def knn(self, name: str, lat: Any, lon: Any, k: int = 10, *,
-            max_distance_m: float | None = None, columns: Sequence[str] = (),
-            as_arrow: bool = False) -> pd.DataFrame | pa.Table:
+    def knn(
+        self,
+        name: str,
+        lat: Any,
+        lon: Any,
+        k: int = 10,
+        *,
+        max_distance_m: float | None = None,
+        columns: Sequence[str] = (),
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
         """The k nearest points of ``name`` to each (lat, lon) query, degrees.
 
         Returns columns query_index, rank, id, distance_m (great-circle metres), then
         the requested attribute ``columns``; nearest first per query.
         """
+
         def request(points: pb.Points) -> pb.KnnRequest:
-            return pb.KnnRequest(dataset=name, queries=points, k=k,
-                                 max_distance_m=max_distance_m, columns=list(columns))
+            return pb.KnnRequest(
+                dataset=name,
+                queries=points,
+                k=k,
+                max_distance_m=max_distance_m,
+                columns=list(columns),
+            )
+
         return self._neighbour_query("Knn", request, lat, lon, as_arrow)
 
-    def radius(self, name: str, lat: Any, lon: Any, radius_m: float, *,
-               columns: Sequence[str] = (), as_arrow: bool = False) -> pd.DataFrame | pa.Table:
+    def radius(
+        self,
+        name: str,
+        lat: Any,
+        lon: Any,
+        radius_m: float,
+        *,
+        columns: Sequence[str] = (),
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
         """Every point of ``name`` within ``radius_m`` metres of each query; as ``knn``."""
+
         def request(points: pb.Points) -> pb.RadiusRequest:
-            return pb.RadiusRequest(dataset=name, queries=points, radius_m=radius_m,
-                                    columns=list(columns))
+            return pb.RadiusRequest(
+                dataset=name, queries=points, radius_m=radius_m, columns=list(columns)
+            )
+
         return self._neighbour_query("Radius", request, lat, lon, as_arrow)
 
-    def distance_matrix(self, lat: Any, lon: Any, name: str | None = None, lat2: Any = None,
-                        lon2: Any = None, *, ids: Sequence[int] | Sequence[str] | None = None,
-                        dtype: str = "float64") -> np.ndarray:
+    def distance_matrix(
+        self,
+        lat: Any,
+        lon: Any,
+        name: str | None = None,
+        lat2: Any = None,
+        lon2: Any = None,
+        *,
+        ids: Sequence[int] | Sequence[str] | None = None,
+        dtype: str = "float64",
+    ) -> np.ndarray:
         """Great-circle metres from each (lat, lon) (rows) to a dataset or a second set.
 
         Columns are the points of dataset ``name`` (in row order, or the rows of ``ids``
@@ -213,7 +271,8 @@ class Client:
             raise ValueError(f"dtype must be float64 or float32, got {dtype!r}")
         request = pb.DistanceMatrixRequest(
             queries=points_to_message(*_as_points(lat, lon)),
-            dtype=pb.FLOAT64 if dtype == "float64" else pb.FLOAT32)
+            dtype=pb.FLOAT64 if dtype == "float64" else pb.FLOAT32,
+        )
         if name is not None:
             request.dataset = name
             if ids is not None:
@@ -231,21 +290,38 @@ class Client:
             if out is None:
                 out = np.empty((tile.total_rows, tile.total_cols), dtype=dtype)
             values = np.frombuffer(tile.values, dtype="<f8" if dtype == "float64" else "<f4")
-            out[tile.row_start:tile.row_start + tile.row_count,
-                tile.col_start:tile.col_start + tile.col_count] = values.reshape(
-                    tile.row_count, tile.col_count)
+            out[
+                tile.row_start : tile.row_start + tile.row_count,
+                tile.col_start : tile.col_start + tile.col_count,
+            ] = values.reshape(tile.row_count, tile.col_count)
         if out is None:
             n_rows = np.atleast_1d(np.asarray(lat)).shape[0]
             out = np.empty((n_rows, 0), dtype=dtype)
         return out
 
-    def kmeans(self, name: str, k: int, *, seed: int = 0, n_init: int = 1,
-               max_iter: int = 100, tol: float = 1e-6, weights: str | None = None,
-               return_labels: bool = False) -> KMeansOutcome:
+    def kmeans(
+        self,
+        name: str,
+        k: int,
+        *,
+        seed: int = 0,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+        weights: str | None = None,
+        return_labels: bool = False,
+    ) -> KMeansOutcome:
         """Spherical k-means of dataset ``name``; ``weights`` names a numeric column."""
-        request = pb.KMeansRequest(dataset=name, k=k, seed=seed, n_init=n_init,
-                                   max_iter=max_iter, tol=tol, weight_column=weights or "",
-                                   return_labels=return_labels)
+        request = pb.KMeansRequest(
+            dataset=name,
+            k=k,
+            seed=seed,
+            n_init=n_init,
+            max_iter=max_iter,
+            tol=tol,
+            weight_column=weights or "",
+            return_labels=return_labels,
+        )
         messages = self._stream("KMeans", request)
         summary = messages[0].summary
         labels = None
@@ -253,13 +329,16 @@ class Client:
             labels = messages_to_table(m.labels for m in messages[1:]).to_pandas()
         return KMeansOutcome(
             centroids=messages_to_table([summary.centroids]).to_pandas(),
-            inertia_m2=summary.inertia_m2, n_iter=summary.n_iter,
-            earth_radius_m=summary.earth_radius_m, labels=labels,
+            inertia_m2=summary.inertia_m2,
+            n_iter=summary.n_iter,
+            earth_radius_m=summary.earth_radius_m,
+            labels=labels,
         )
 
 
-def connect(target: str | None = None, *, timeout_s: float | None = None,
-            **server_settings: Any) -> Client:
+def connect(
+    target: str | None = None, *, timeout_s: float | None = None, **server_settings: Any
+) -> Client:
     """A client for ``target`` (``host:port``).
 
     With no target, an in-process server starts on a free loopback port (CPU backend

@@ -73,9 +73,17 @@ class Unavailable(GeoNearError):
 
 _BY_CODE: dict[grpc.StatusCode, type[GeoNearError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition,
-                ResourceExhausted, Unauthenticated, PermissionDenied, DeadlineExceeded,
-                Unavailable)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
+        DeadlineExceeded,
+        Unavailable,
+    )
 }
 
 

@@ -67,11 +67,14 @@ def create_server(settings: ServerSettings) -> tuple[grpc.Server, int, DatasetSt
         _load_demo(store)
     limit = settings.limits.max_message_bytes
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_workers,
-                                   thread_name_prefix="geonear-rpc"),
-        options=[("grpc.max_send_message_length", limit),
-                 ("grpc.max_receive_message_length", limit),
-                 ("grpc.so_reuseport", 0)],
+        futures.ThreadPoolExecutor(
+            max_workers=settings.max_workers, thread_name_prefix="geonear-rpc"
+        ),
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
     )
     pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, backend), server)
     health_servicer = health.HealthServicer()
@@ -79,16 +82,26 @@ def create_server(settings: ServerSettings) -> tuple[grpc.Server, int, DatasetSt
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
     address = f"{settings.host}:{settings.port}"
     if ":" in settings.host and not settings.host.startswith("["):
         address = f"[{settings.host}]:{settings.port}"
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
-    log.info("engine %s (%s backend) on %s; earth radius %.1f m", engine.name, backend,
-             engine.describe_device(), engine.earth_radius_m)
+    log.info(
+        "engine %s (%s backend) on %s; earth radius %.1f m",
+        engine.name,
+        backend,
+        engine.describe_device(),
+        engine.earth_radius_m,
+    )
     return server, port, store
 
 
@@ -106,8 +119,11 @@ def serve(settings: ServerSettings) -> None:
     server, port, _ = create_server(settings)
     server.start()
     if not settings.is_loopback():
-        log.warning("listening on %s without TLS or tokens: anyone who can reach it can "
-                    "read and change data", settings.host)
+        log.warning(
+            "listening on %s without TLS or tokens: anyone who can reach it can "
+            "read and change data",
+            settings.host,
+        )
     log.info("geonear listening on %s:%d", settings.host, port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

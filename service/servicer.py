@@ -30,8 +30,12 @@ from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
 log = logging.getLogger("geonear.servicer")
 
-_MODES = {pb.UPLOAD_MODE_UNSPECIFIED: "create", pb.CREATE: "create", pb.REPLACE: "replace",
-          pb.APPEND: "append"}
+_MODES = {
+    pb.UPLOAD_MODE_UNSPECIFIED: "create",
+    pb.CREATE: "create",
+    pb.REPLACE: "replace",
+    pb.APPEND: "append",
+}
 _DTYPES = {pb.MATRIX_DTYPE_UNSPECIFIED: "float64", pb.FLOAT64: "float64", pb.FLOAT32: "float32"}
 
 
@@ -42,8 +46,11 @@ def _translate(context: grpc.ServicerContext) -> Iterator[None]:
         yield
     except ServiceError as exc:
         code = grpc.StatusCode[exc.status]
-        if isinstance(exc, Cancelled) and context.time_remaining() is not None \
-                and context.time_remaining() <= 0:
+        if (
+            isinstance(exc, Cancelled)
+            and context.time_remaining() is not None
+            and context.time_remaining() <= 0
+        ):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         context.abort(code, str(exc))
     except WireError as exc:
@@ -51,19 +58,27 @@ def _translate(context: grpc.ServicerContext) -> Iterator[None]:
     except EngineUnavailable as exc:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     except MemoryError as exc:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"out of memory: {exc or 'allocation failed'}; use fewer points per call")
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"out of memory: {exc or 'allocation failed'}; use fewer points per call",
+        )
 
 
 def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
     min_lat, min_lon, max_lat, max_lon = d.bounding_box()
     return pb.DatasetInfo(
-        name=d.name, version=d.version, rows=d.rows, host_bytes=d.host_bytes,
+        name=d.name,
+        version=d.version,
+        rows=d.rows,
+        host_bytes=d.host_bytes,
         device_bytes=d.index.device_bytes,
         columns=[pb.Column(name=f.name, arrow_type=str(f.type)) for f in d.table.schema],
-        bounding_box=pb.BoundingBox(min_lat=min_lat, min_lon=min_lon, max_lat=max_lat,
-                                    max_lon=max_lon),
-        engine=d.engine, id_type=d.id_type, created_unix_s=d.created_unix_s,
+        bounding_box=pb.BoundingBox(
+            min_lat=min_lat, min_lon=min_lon, max_lat=max_lat, max_lon=max_lon
+        ),
+        engine=d.engine,
+        id_type=d.id_type,
+        created_unix_s=d.created_unix_s,
     )
 
 
@@ -110,8 +125,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             if mode is None:
                 raise InvalidInput(f"unknown upload mode {header.mode}")
             table = pa.Table.from_batches(batches, schema=decoder.schema)
-            table = normalise_upload(table, header.lat_column, header.lon_column,
-                                     header.id_column, self._next_row_id(header.dataset, mode))
+            table = normalise_upload(
+                table,
+                header.lat_column,
+                header.lon_column,
+                header.id_column,
+                self._next_row_id(header.dataset, mode),
+            )
             version = self.store.upload(header.dataset, mode, table)
             return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
 
@@ -135,8 +155,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 raise InvalidInput(f"dataset {request.dataset!r} has {current.id_type} ids")
             ids = list(request.int_ids) if is_int else list(request.string_ids)
             version, deleted, missing = self.store.delete_rows(request.dataset, ids)
-            return pb.DeleteRowsResponse(dataset=dataset_info(version), rows_deleted=deleted,
-                                         ids_not_found=missing)
+            return pb.DeleteRowsResponse(
+                dataset=dataset_info(version), rows_deleted=deleted, ids_not_found=missing
+            )
 
     def ListDatasets(self, request, context):
         return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.list()])
@@ -156,10 +177,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             dataset = self.store.get(request.dataset)
             lat, lon = points_from_message(request.queries)
             table = knn(
-                dataset, lat, lon, int(request.k),
-                max_distance_m=request.max_distance_m if request.HasField("max_distance_m")
+                dataset,
+                lat,
+                lon,
+                int(request.k),
+                max_distance_m=request.max_distance_m
+                if request.HasField("max_distance_m")
                 else None,
-                columns=list(request.columns), limits=self.limits,
+                columns=list(request.columns),
+                limits=self.limits,
                 earth_radius_m=self.engine.earth_radius_m,
             )
             yield from table_to_messages(table)
@@ -168,9 +194,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         with _translate(context):
             dataset = self.store.get(request.dataset)
             lat, lon = points_from_message(request.queries)
-            table = radius(dataset, lat, lon, float(request.radius_m),
-                           columns=list(request.columns), limits=self.limits,
-                           earth_radius_m=self.engine.earth_radius_m)
+            table = radius(
+                dataset,
+                lat,
+                lon,
+                float(request.radius_m),
+                columns=list(request.columns),
+                limits=self.limits,
+                earth_radius_m=self.engine.earth_radius_m,
+            )
             yield from table_to_messages(table)
 
     def DistanceMatrix(self, request, context):
@@ -180,15 +212,21 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             dtype = _DTYPES.get(request.dtype)
             if dtype is None:
                 raise InvalidInput(f"unknown matrix dtype {request.dtype}")
-            for tile in distance_tiles(self.engine, lat1, lon1, lat2, lon2, dtype, self.limits,
-                                       is_active=context.is_active):
+            for tile in distance_tiles(
+                self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=context.is_active
+            ):
                 yield pb.MatrixTile(
-                    row_start=tile.row_start, col_start=tile.col_start,
-                    row_count=tile.values.shape[0], col_count=tile.values.shape[1],
-                    values=np.ascontiguousarray(tile.values, dtype=f"<{dtype[0]}"
-                                                f"{tile.values.itemsize}").tobytes(),
-                    total_rows=lat1.shape[0], total_cols=lat2.shape[0],
-                    earth_radius_m=self.engine.earth_radius_m, dtype=request.dtype or pb.FLOAT64,
+                    row_start=tile.row_start,
+                    col_start=tile.col_start,
+                    row_count=tile.values.shape[0],
+                    col_count=tile.values.shape[1],
+                    values=np.ascontiguousarray(
+                        tile.values, dtype=f"<{dtype[0]}{tile.values.itemsize}"
+                    ).tobytes(),
+                    total_rows=lat1.shape[0],
+                    total_cols=lat2.shape[0],
+                    earth_radius_m=self.engine.earth_radius_m,
+                    dtype=request.dtype or pb.FLOAT64,
                 )
 
     def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
@@ -211,10 +249,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             raise InvalidInput(f"ids do not match the dataset's {id_col.type} ids") from exc
         rows = pa.compute.index_in(wanted_arr, value_set=id_col)
         if rows.null_count:
-            missing = [wanted[i] for i in np.flatnonzero(rows.is_null().to_numpy(
-                zero_copy_only=False))[:5]]
-            raise InvalidInput(f"{rows.null_count} id(s) not in {request.dataset!r} "
-                               f"(first: {missing})")
+            missing = [
+                wanted[i] for i in np.flatnonzero(rows.is_null().to_numpy(zero_copy_only=False))[:5]
+            ]
+            raise InvalidInput(
+                f"{rows.null_count} id(s) not in {request.dataset!r} (first: {missing})"
+            )
         idx = rows.to_numpy()
         return dataset.lat[idx], dataset.lon[idx]
 
@@ -222,17 +262,28 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         with _translate(context):
             dataset = self.store.get(request.dataset)
             result = kmeans_query.kmeans(
-                dataset, int(request.k), seed=int(request.seed), n_init=request.n_init or 1,
-                max_iter=request.max_iter or 100, tol=request.tol or 1e-6,
-                weight_column=request.weight_column, limits=self.limits,
+                dataset,
+                int(request.k),
+                seed=int(request.seed),
+                n_init=request.n_init or 1,
+                max_iter=request.max_iter or 100,
+                tol=request.tol or 1e-6,
+                weight_column=request.weight_column,
+                limits=self.limits,
             )
             # k <= max_k keeps the centroid table small enough for one message.
-            (centroids,) = table_to_messages(kmeans_query.centroid_table(result),
-                                             batch_bytes=1 << 62)
-            yield pb.KMeansResponse(summary=pb.KMeansSummary(
-                centroids=centroids, inertia_m2=result.inertia_m2, n_iter=result.n_iter,
-                earth_radius_m=self.engine.earth_radius_m, dataset_version=dataset.version,
-            ))
+            (centroids,) = table_to_messages(
+                kmeans_query.centroid_table(result), batch_bytes=1 << 62
+            )
+            yield pb.KMeansResponse(
+                summary=pb.KMeansSummary(
+                    centroids=centroids,
+                    inertia_m2=result.inertia_m2,
+                    n_iter=result.n_iter,
+                    earth_radius_m=self.engine.earth_radius_m,
+                    dataset_version=dataset.version,
+                )
+            )
             if request.return_labels:
                 for message in table_to_messages(kmeans_query.label_table(dataset, result)):
                     yield pb.KMeansResponse(labels=message)
@@ -241,13 +292,21 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         used, total = self.engine.memory_pool_bytes()
         limits = self.limits
         return pb.ServerInfoResponse(
-            version=__version__, backend=self.backend, device=self.engine.describe_device(),
+            version=__version__,
+            backend=self.backend,
+            device=self.engine.describe_device(),
             earth_radius_m=self.engine.earth_radius_m,
-            limits=pb.Limits(max_k=limits.max_k, max_matrix_cells=limits.max_matrix_cells,
-                             max_upload_rows=limits.max_upload_rows,
-                             max_message_bytes=limits.max_message_bytes,
-                             max_query_points=limits.max_query_points),
-            engines=[self.engine.name,
-                     *[n for n in runnable_engine_names() if n != self.engine.name]],
-            pool_used_bytes=used, pool_total_bytes=total,
+            limits=pb.Limits(
+                max_k=limits.max_k,
+                max_matrix_cells=limits.max_matrix_cells,
+                max_upload_rows=limits.max_upload_rows,
+                max_message_bytes=limits.max_message_bytes,
+                max_query_points=limits.max_query_points,
+            ),
+            engines=[
+                self.engine.name,
+                *[n for n in runnable_engine_names() if n != self.engine.name],
+            ],
+            pool_used_bytes=used,
+            pool_total_bytes=total,
         )

@@ -120,15 +120,17 @@ class DatasetStore:
                 )
             if mode == "append":
                 if current is None:
-                    raise DatasetNotFound(f"cannot append to {name!r}: no such dataset; "
-                                          "use mode create")
+                    raise DatasetNotFound(
+                        f"cannot append to {name!r}: no such dataset; use mode create"
+                    )
                 table = _append(current.table, table)
             check_unique_ids(table.column("id"))
             version = 1 if current is None else current.version + 1
             return self._commit(name, version, table)
 
-    def delete_rows(self, name: str, ids: Iterable[int] | Iterable[str]) -> tuple[
-            DatasetVersion, int, int]:
+    def delete_rows(
+        self, name: str, ids: Iterable[int] | Iterable[str]
+    ) -> tuple[DatasetVersion, int, int]:
         """Delete rows by id; returns (new version, rows deleted, ids not found)."""
         with self._lock:
             current = self.get(name)
@@ -174,8 +176,9 @@ class DatasetStore:
     def _build(self, name: str, version: int, table: pa.Table) -> DatasetVersion:
         table = table.combine_chunks()
         index = self.engine.build_index(column_numpy(table, "lat"), column_numpy(table, "lon"))
-        return DatasetVersion(name=name, version=version, table=table, index=index,
-                              engine=self.engine.name)
+        return DatasetVersion(
+            name=name, version=version, table=table, index=index, engine=self.engine.name
+        )
 
     # -- persistence ---------------------------------------------------------------------
     def _version_path(self, name: str, version: int) -> Path:
@@ -224,8 +227,11 @@ class DatasetStore:
             manifest = json.loads((self.data_dir / MANIFEST).read_text())
             entries = dict(manifest["datasets"])
         except (ValueError, KeyError, TypeError) as exc:
-            log.error("manifest %s is unreadable (%s); starting with no datasets",
-                      self.data_dir / MANIFEST, exc)
+            log.error(
+                "manifest %s is unreadable (%s); starting with no datasets",
+                self.data_dir / MANIFEST,
+                exc,
+            )
             return ["<manifest>"]
         skipped = []
         for name, entry in sorted(entries.items()):
@@ -236,8 +242,9 @@ class DatasetStore:
                     raise ValueError(f"holds {table.num_rows} rows, manifest says {entry['rows']}")
                 built = self._build(name, int(entry["version"]), table)
             except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
-                log.error("dataset %s: cannot reload %s (%s); skipped", name,
-                          entry.get("file"), exc)
+                log.error(
+                    "dataset %s: cannot reload %s (%s); skipped", name, entry.get("file"), exc
+                )
                 skipped.append(name)
                 continue
             self._datasets[name] = built
@@ -269,10 +276,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    path.unlink(missing_ok=True)
 
 
 def _remove_tree(path: Path) -> None:

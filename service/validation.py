@@ -29,8 +29,9 @@ def check_dataset_name(name: str) -> str:
 
 
 def _bad_rows_message(what: str, rows: np.ndarray, values: list[str]) -> str:
-    shown = ", ".join(f"row {int(r)}: {v}" for r, v in zip(rows[:_SHOW], values[:_SHOW],
-                                                             strict=False))
+    shown = ", ".join(
+        f"row {int(r)}: {v}" for r, v in zip(rows[:_SHOW], values[:_SHOW], strict=False)
+    )
     return f"{rows.shape[0]} row(s) with {what} (first: {shown})"
 
 
@@ -51,8 +52,11 @@ def check_coordinates(lat: np.ndarray, lon: np.ndarray, what: str = "points") ->
 
 def _numeric_column(table: pa.Table, name: str, role: str) -> pa.ChunkedArray:
     col = table.column(name)
-    if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)
-            or pa.types.is_decimal(col.type)):
+    if not (
+        pa.types.is_floating(col.type)
+        or pa.types.is_integer(col.type)
+        or pa.types.is_decimal(col.type)
+    ):
         raise InvalidInput(f"{role} column {name!r} must be numeric, got {col.type}")
     if col.null_count:
         rows = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
@@ -98,11 +102,13 @@ def normalise_upload(
             raise InvalidInput(f"id column {id_name!r} must be integer or string, got {ids.type}")
         if ids.null_count:
             rows = np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))
-            raise InvalidInput(f"id column {id_name!r}: "
-                               + _bad_rows_message("null ids", rows, ["null"] * _SHOW))
+            raise InvalidInput(
+                f"id column {id_name!r}: " + _bad_rows_message("null ids", rows, ["null"] * _SHOW)
+            )
     elif id_column in ("", "id"):
-        ids = pa.chunked_array([pa.array(np.arange(first_row_id, first_row_id + table.num_rows,
-                                                   dtype=np.int64))])
+        ids = pa.chunked_array(
+            [pa.array(np.arange(first_row_id, first_row_id + table.num_rows, dtype=np.int64))]
+        )
     else:
         _pick(table, id_name, "id")
         raise AssertionError("unreachable")
@@ -129,5 +135,7 @@ def check_unique_ids(ids: pa.ChunkedArray | pa.Array) -> None:
     dup = np.flatnonzero(freq > 1)
     if dup.size:
         shown = ", ".join(repr(values[int(i)].as_py()) for i in dup[:_SHOW])
-        raise InvalidInput(f"{dup.size} id(s) appear more than once (first: {shown}); "
-                           "ids must be unique within a dataset")
+        raise InvalidInput(
+            f"{dup.size} id(s) appear more than once (first: {shown}); "
+            "ids must be unique within a dataset"
+        )

@@ -26,14 +26,16 @@ def _chord_bound(distance_m: float, earth_radius_m: float) -> float:
 
 
 class KDTreeIndex(HostIndex):
-    def __init__(self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float,
-                 workers: int = -1) -> None:
+    def __init__(
+        self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float, workers: int = -1
+    ) -> None:
         super().__init__(lat, lon, earth_radius_m)
         self.workers = workers
         # balanced_tree=False (sliding midpoint) builds several times faster and
         # queries as fast on geographic data; the tree shares self.xyz, no copy.
-        self.tree = cKDTree(self.xyz, leafsize=_LEAF_SIZE, balanced_tree=False,
-                            compact_nodes=False, copy_data=False)
+        self.tree = cKDTree(
+            self.xyz, leafsize=_LEAF_SIZE, balanced_tree=False, compact_nodes=False, copy_data=False
+        )
 
     @property
     def host_bytes(self) -> int:
@@ -48,10 +50,12 @@ class KDTreeIndex(HostIndex):
         n_q = lat.shape[0]
         if kk == 0 or n_q == 0:
             return Neighbours(np.full((n_q, kk), np.inf), np.full((n_q, kk), -1, np.int64))
-        bound = np.inf if max_distance_m is None else _chord_bound(max_distance_m,
-                                                                    self.earth_radius_m)
-        _, idx = self.tree.query(unit_vectors(lat, lon), k=kk, distance_upper_bound=bound,
-                                 workers=self.workers)
+        bound = (
+            np.inf if max_distance_m is None else _chord_bound(max_distance_m, self.earth_radius_m)
+        )
+        _, idx = self.tree.query(
+            unit_vectors(lat, lon), k=kk, distance_upper_bound=bound, workers=self.workers
+        )
         idx = np.asarray(idx, dtype=np.int64).reshape(n_q, kk)
         idx[idx >= self.n_points] = -1
         return self.exact_neighbours(lat, lon, idx, max_distance_m)
@@ -59,12 +63,17 @@ class KDTreeIndex(HostIndex):
     def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
         n_q = lat.shape[0]
         found = self.tree.query_ball_point(
-            unit_vectors(lat, lon), _chord_bound(radius_m, self.earth_radius_m),
-            workers=self.workers, return_sorted=False,
+            unit_vectors(lat, lon),
+            _chord_bound(radius_m, self.earth_radius_m),
+            workers=self.workers,
+            return_sorted=False,
         )
         counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_q)
-        rows = (np.concatenate([np.asarray(f, dtype=np.int64) for f in found])
-                if counts.sum() else np.empty(0, dtype=np.int64))
+        rows = (
+            np.concatenate([np.asarray(f, dtype=np.int64) for f in found])
+            if counts.sum()
+            else np.empty(0, dtype=np.int64)
+        )
         query_index = np.repeat(np.arange(n_q, dtype=np.int64), counts)
         return self.exact_radius(lat, lon, query_index, rows, radius_m)
 

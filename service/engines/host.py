@@ -65,7 +65,10 @@ class HostIndex(PointIndex):
     ) -> RadiusNeighbours:
         """Keep the candidate (query, row) pairs within ``radius_m``, sorted exactly."""
         dist = great_circle_m(
-            q_lat[query_index], q_lon[query_index], self.lat[rows], self.lon[rows],
+            q_lat[query_index],
+            q_lon[query_index],
+            self.lat[rows],
+            self.lon[rows],
             self.earth_radius_m,
         )
         keep = dist <= radius_m
@@ -82,8 +85,15 @@ class HostIndex(PointIndex):
         tol: float = 1e-6,
     ) -> KMeansResult:
         return spherical_kmeans(
-            self.xyz, k, weights=weights, seed=seed, n_init=n_init, max_iter=max_iter,
-            tol=tol, earth_radius_m=self.earth_radius_m, xp=np,
+            self.xyz,
+            k,
+            weights=weights,
+            seed=seed,
+            n_init=n_init,
+            max_iter=max_iter,
+            tol=tol,
+            earth_radius_m=self.earth_radius_m,
+            xp=np,
         )
 
 

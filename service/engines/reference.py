@@ -19,7 +19,10 @@ class ReferenceIndex(HostIndex):
 
     def _distances(self, q_lat: np.ndarray, q_lon: np.ndarray) -> np.ndarray:
         return great_circle_m(
-            q_lat[:, None], q_lon[:, None], self.lat[None, :], self.lon[None, :],
+            q_lat[:, None],
+            q_lon[:, None],
+            self.lat[None, :],
+            self.lon[None, :],
             self.earth_radius_m,
         )
 

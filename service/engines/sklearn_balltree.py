@@ -19,8 +19,7 @@ _ANGLE_SLACK = 1e-9
 class BallTreeIndex(HostIndex):
     def __init__(self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float) -> None:
         super().__init__(lat, lon, earth_radius_m)
-        self.tree = BallTree(np.radians(np.column_stack([self.lat, self.lon])),
-                             metric="haversine")
+        self.tree = BallTree(np.radians(np.column_stack([self.lat, self.lon])), metric="haversine")
 
     @property
     def host_bytes(self) -> int:
@@ -44,8 +43,9 @@ class BallTreeIndex(HostIndex):
         angle = radius_m / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
         found = self.tree.query_radius(self._radians(lat, lon), r=angle)
         counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=lat.shape[0])
-        rows = (np.concatenate(found).astype(np.int64) if counts.sum()
-                else np.empty(0, dtype=np.int64))
+        rows = (
+            np.concatenate(found).astype(np.int64) if counts.sum() else np.empty(0, dtype=np.int64)
+        )
         query_index = np.repeat(np.arange(lat.shape[0], dtype=np.int64), counts)
         return self.exact_radius(lat, lon, query_index, rows, radius_m)
 

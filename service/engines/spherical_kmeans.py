@@ -41,8 +41,9 @@ def _update(xyz: Any, labels: Any, weights: Any, centroids: Any, xp: Any) -> Any
     k = centroids.shape[0]
     sums = xp.stack(
         [
-            xp.bincount(labels, weights=xyz[:, d] if weights is None else xyz[:, d] * weights,
-                        minlength=k)
+            xp.bincount(
+                labels, weights=xyz[:, d] if weights is None else xyz[:, d] * weights, minlength=k
+            )
             for d in range(3)
         ],
         axis=1,
@@ -63,11 +64,8 @@ def _seed_kmeans_plus_plus(
     nearest_sq = angle_between(xyz, xyz[chosen[0]][None, :], xp=xp) ** 2
     for _ in range(1, k):
         mass = xp.cumsum(w * nearest_sq)
-        if float(mass[-1]) <= 0.0:
-            # Fewer distinct points than clusters: take the next unused point by weight.
-            idx = _draw(xp.cumsum(w), rng, xp)
-        else:
-            idx = _draw(mass, rng, xp)
+        # With fewer distinct points than clusters every distance is 0: draw by weight.
+        idx = _draw(mass if float(mass[-1]) > 0.0 else xp.cumsum(w), rng, xp)
         chosen.append(idx)
         angle = angle_between(xyz, xyz[idx][None, :], xp=xp)
         nearest_sq = xp.minimum(nearest_sq, angle * angle)
@@ -82,8 +80,9 @@ def _draw(cumulative: Any, rng: np.random.Generator, xp: Any) -> int:
     return min(idx, int(cumulative.shape[0]) - 1)
 
 
-def _inertia_m2(xyz: Any, labels: Any, centroids: Any, weights: Any, earth_radius_m: float,
-                xp: Any) -> float:
+def _inertia_m2(
+    xyz: Any, labels: Any, centroids: Any, weights: Any, earth_radius_m: float, xp: Any
+) -> float:
     angle = angle_between(xyz, centroids[labels], xp=xp)
     sq = (earth_radius_m * angle) ** 2
     if weights is not None:

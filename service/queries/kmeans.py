@@ -26,15 +26,16 @@ def kmeans(
     if k > limits.max_k:
         raise LimitExceeded(f"k={k} exceeds max_k={limits.max_k} (setting GEONEAR_MAX_K)")
     if not 1 <= k <= dataset.rows:
-        raise InvalidInput(
-            f"k must be between 1 and the dataset's {dataset.rows} rows, got {k}"
-        )
+        raise InvalidInput(f"k must be between 1 and the dataset's {dataset.rows} rows, got {k}")
     if n_init < 1 or max_iter < 1 or not (np.isfinite(tol) and tol >= 0):
-        raise InvalidInput(f"need n_init >= 1, max_iter >= 1 and tol >= 0; got "
-                           f"n_init={n_init}, max_iter={max_iter}, tol={tol}")
+        raise InvalidInput(
+            f"need n_init >= 1, max_iter >= 1 and tol >= 0; got "
+            f"n_init={n_init}, max_iter={max_iter}, tol={tol}"
+        )
     weights = _weights(dataset, weight_column) if weight_column else None
-    return dataset.index.kmeans(k, weights=weights, seed=seed, n_init=n_init,
-                                max_iter=max_iter, tol=tol)
+    return dataset.index.kmeans(
+        k, weights=weights, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol
+    )
 
 
 def _weights(dataset: DatasetVersion, name: str) -> np.ndarray:
@@ -50,14 +51,17 @@ def _weights(dataset: DatasetVersion, name: str) -> np.ndarray:
 
 
 def centroid_table(result: KMeansResult) -> pa.Table:
-    return pa.table({
-        "cluster": pa.array(np.arange(result.sizes.shape[0]), pa.int32()),
-        "lat": pa.array(result.centroid_lat, pa.float64()),
-        "lon": pa.array(result.centroid_lon, pa.float64()),
-        "size": pa.array(result.sizes, pa.int64()),
-    })
+    return pa.table(
+        {
+            "cluster": pa.array(np.arange(result.sizes.shape[0]), pa.int32()),
+            "lat": pa.array(result.centroid_lat, pa.float64()),
+            "lon": pa.array(result.centroid_lon, pa.float64()),
+            "size": pa.array(result.sizes, pa.int64()),
+        }
+    )
 
 
 def label_table(dataset: DatasetVersion, result: KMeansResult) -> pa.Table:
-    return pa.table({"id": dataset.table.column("id"),
-                     "cluster": pa.array(result.labels, pa.int32())})
+    return pa.table(
+        {"id": dataset.table.column("id"), "cluster": pa.array(result.labels, pa.int32())}
+    )

@@ -36,5 +36,12 @@ def knn(
     found = dataset.index.knn(lat, lon, k, max_distance_m)
     valid = found.indices >= 0
     query_index, rank = np.nonzero(valid)
-    return neighbour_table(dataset, query_index, rank, found.indices[valid],
-                           found.distances_m[valid], columns, earth_radius_m)
+    return neighbour_table(
+        dataset,
+        query_index,
+        rank,
+        found.indices[valid],
+        found.distances_m[valid],
+        columns,
+        earth_radius_m,
+    )

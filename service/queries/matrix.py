@@ -61,7 +61,10 @@ def distance_tiles(
             if not is_active():
                 raise Cancelled("the distance matrix call was cancelled")
             values = engine.distance_matrix(
-                lat1[r : r + rows_per_tile], lon1[r : r + rows_per_tile],
-                lat2[c : c + cols_per_tile], lon2[c : c + cols_per_tile], dtype,
+                lat1[r : r + rows_per_tile],
+                lon1[r : r + rows_per_tile],
+                lat2[c : c + cols_per_tile],
+                lon2[c : c + cols_per_tile],
+                dtype,
             )
             yield Tile(r, c, values)

@@ -31,5 +31,6 @@ def radius(
     found = dataset.index.radius(lat, lon, radius_m)
     query_index = found.query_index
     rank = np.arange(query_index.shape[0], dtype=np.int64) - found.offsets[query_index]
-    return neighbour_table(dataset, query_index, rank, found.indices, found.distances_m,
-                           columns, earth_radius_m)
+    return neighbour_table(
+        dataset, query_index, rank, found.indices, found.distances_m, columns, earth_radius_m
+    )
