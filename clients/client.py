@@ -50,6 +50,14 @@ def _as_points(lat: Any, lon: Any) -> tuple[np.ndarray, np.ndarray]:
     return lat_a, lon_a
 
 
+def _split_ids(ids: Iterable[Any]) -> tuple[list[int], list[str]]:
+    """Ids as the (int_ids, string_ids) pair of the contract; one of the two is empty."""
+    values = list(ids)
+    if values and isinstance(values[0], str):
+        return [], [str(v) for v in values]
+    return [int(v) for v in values], []
+
+
 def _as_table(data: Any) -> Iterator[pa.RecordBatch] | pa.Table:
     if isinstance(data, pa.Table):
         return data
@@ -175,11 +183,9 @@ class Client:
         return int(self._call("DropDataset", pb.DropDatasetRequest(dataset=name)).version)
 
     def delete(self, name: str, ids: Iterable[int] | Iterable[str]) -> pb.DeleteRowsResponse:
-        ids = list(ids)
-        if ids and isinstance(ids[0], str):
-            request = pb.DeleteRowsRequest(dataset=name, string_ids=ids)
-        else:
-            request = pb.DeleteRowsRequest(dataset=name, int_ids=[int(i) for i in ids])
+        """Delete the rows with these ids; returns the new version and the counts."""
+        int_ids, string_ids = _split_ids(ids)
+        request = pb.DeleteRowsRequest(dataset=name, int_ids=int_ids, string_ids=string_ids)
         return self._call("DeleteRows", request)
 
     def server_info(self) -> pb.ServerInfoResponse:
@@ -276,11 +282,9 @@ class Client:
         if name is not None:
             request.dataset = name
             if ids is not None:
-                ids = list(ids)
-                if ids and isinstance(ids[0], str):
-                    request.ids.string_ids.extend(ids)
-                else:
-                    request.ids.int_ids.extend(int(i) for i in ids)
+                int_ids, string_ids = _split_ids(ids)
+                request.ids.int_ids.extend(int_ids)
+                request.ids.string_ids.extend(string_ids)
         elif lat2 is not None and lon2 is not None:
             request.targets.CopyFrom(points_to_message(*_as_points(lat2, lon2)))
         else:

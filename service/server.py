@@ -110,7 +110,7 @@ def _load_demo(store: DatasetStore) -> None:
     from geonear.service.validation import normalise_upload
 
     for name, load in BUNDLED.items():
-        if name not in {d.name for d in store.list()}:
+        if name not in {d.name for d in store.datasets()}:
             store.upload(name, "create", normalise_upload(load()))
 
 

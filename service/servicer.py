@@ -17,6 +17,7 @@ import pyarrow as pa
 from geonear import __version__
 from geonear._wire import BatchDecoder, WireError, points_from_message, table_to_messages
 from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
+from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.knn import knn
@@ -36,7 +37,11 @@ _MODES = {
     pb.REPLACE: "replace",
     pb.APPEND: "append",
 }
-_DTYPES = {pb.MATRIX_DTYPE_UNSPECIFIED: "float64", pb.FLOAT64: "float64", pb.FLOAT32: "float32"}
+_DTYPES: dict[int, MatrixDtype] = {
+    pb.MATRIX_DTYPE_UNSPECIFIED: "float64",
+    pb.FLOAT64: "float64",
+    pb.FLOAT32: "float32",
+}
 
 
 @contextlib.contextmanager
@@ -160,7 +165,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             )
 
     def ListDatasets(self, request, context):
-        return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.list()])
+        return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.datasets()])
 
     def GetDataset(self, request, context):
         with _translate(context):
@@ -209,7 +214,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         with _translate(context):
             lat1, lon1 = points_from_message(request.queries)
             lat2, lon2 = self._matrix_columns(request)
-            dtype = _DTYPES.get(request.dtype)
+            dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
             if dtype is None:
                 raise InvalidInput(f"unknown matrix dtype {request.dtype}")
             for tile in distance_tiles(
@@ -241,7 +246,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         dataset = self.store.get(request.dataset)
         if not request.HasField("ids") or not (request.ids.int_ids or request.ids.string_ids):
             return dataset.lat, dataset.lon
-        wanted = list(request.ids.int_ids) or list(request.ids.string_ids)
+        wanted: list[int] | list[str] = list(request.ids.int_ids) or list(request.ids.string_ids)
         id_col = dataset.table.column("id")
         try:
             wanted_arr = pa.array(wanted, type=id_col.type)

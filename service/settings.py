@@ -55,7 +55,7 @@ class ServerSettings(BaseSettings):
     earth_radius_m: float = Field(EARTH_RADIUS_M, gt=0, description="sphere radius, metres")
     max_workers: int = Field(16, ge=1, description="threads serving RPCs")
     demo: bool = Field(False, description="load the bundled airports and cities at start")
-    limits: Limits = Field(default_factory=Limits)
+    limits: Limits = Field(default_factory=lambda: Limits())
 
     def is_loopback(self) -> bool:
         try:

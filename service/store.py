@@ -104,7 +104,7 @@ class DatasetStore:
                 f"no dataset named {name!r}; ListDatasets shows the names there are"
             ) from None
 
-    def list(self) -> list[DatasetVersion]:
+    def datasets(self) -> list[DatasetVersion]:
         return sorted(self._datasets.values(), key=lambda d: d.name)
 
     # -- changing ------------------------------------------------------------------------
