@@ -1,0 +1,233 @@
+"""``geonear loadtest``: its arguments and what running it does.
+
+Two forms share one parser::
+
+    geonear loadtest --target HOST:PORT | --compare NAME=HOST:PORT ... [options]
+    geonear loadtest report RESULTS.json ... [--html PATH] [--png PATH] [--json PATH]
+
+The first drives the servers one after another (so they never compete for the load
+generator's cores) and reports each; the second renders saved runs together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import time
+from typing import Any
+
+from rich.console import Console
+
+from geonear.clients.loadtest.connection import Connection
+from geonear.clients.loadtest.report import print_summary, write_html, write_png
+from geonear.clients.loadtest.results import (
+    client_description,
+    read_results,
+    summarise_run,
+    write_results,
+)
+from geonear.clients.loadtest.runner import LoadPlan, LoadTestError, ProgressSink, run_workers
+from geonear.clients.loadtest.scenarios import (
+    SCENARIOS,
+    ScenarioConfig,
+    build_pool,
+    drop_upload_scratch,
+    prepare_target,
+)
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+def _seconds(text: str) -> float:
+    """A duration: plain seconds, or a number with ms, s, m or h (``30``, ``2m``)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30, 30s, 2m)")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def _named_target(text: str) -> tuple[str, str]:
+    name, sep, address = text.partition("=")
+    if not sep or not name or not address or not _NAME.match(name):
+        raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT, got {text!r}")
+    return name, address
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the raw results (mergeable) here")
+    p.add_argument("--html", metavar="PATH",
+                   help="write one self-contained HTML report (table and plots) here")
+    p.add_argument("--png", metavar="PATH", help="write the report's plots as one PNG here")
+    p.add_argument("--title", default="geonear loadtest", help="title of the reports")
+
+
+def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``geonear loadtest`` (and of its ``report`` sub-mode) on ``parser``."""
+    parser.description = (
+        "Drive running geonear servers over gRPC and report throughput, latency "
+        "percentiles and errors. `geonear loadtest report a.json b.json --html out.html` "
+        "renders saved runs together.")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    modes = parser.add_subparsers(dest="loadtest_command", title="sub-mode", required=False)
+    report = modes.add_parser("report", help="render saved JSON results together",
+                              description="Render saved load-test results in one report.")
+    report.add_argument("results", nargs="+", metavar="RESULTS.json")
+    report.add_argument("--merge", action="store_true",
+                        help="combine runs with the same target name (load generators that "
+                             "ran in parallel) instead of showing them side by side")
+    _add_outputs(report)
+
+    where = parser.add_argument_group("targets").add_mutually_exclusive_group()
+    where.add_argument("--target", metavar="HOST:PORT", help="the server to drive")
+    where.add_argument("--compare", nargs="+", type=_named_target, metavar="NAME=HOST:PORT",
+                       help="several named servers, driven one after another")
+
+    what = parser.add_argument_group("what to send")
+    what.add_argument("--scenario", choices=SCENARIOS, default="knn",
+                      help="ping is gRPC health Check, the ceiling (default knn)")
+    what.add_argument("--dataset", default="loadtest", help="dataset to query (default loadtest)")
+    what.add_argument("--create-dataset", type=int, default=0, metavar="N",
+                      help="when the dataset is missing, upload N uniform points first")
+    what.add_argument("--batch", type=_positive_int, default=1,
+                      help="query points per request (upload: rows per upload; default 1)")
+    what.add_argument("-k", type=_positive_int, default=10,
+                      help="neighbours per query (kmeans: clusters; default 10)")
+    what.add_argument("--radius-m", type=float, default=5_000.0,
+                      help="radius of the radius scenario, metres (default 5000)")
+    what.add_argument("--matrix-targets", type=int, default=0, metavar="N",
+                      help="matrix columns: N inline points instead of the dataset")
+    what.add_argument("--kmeans-max-iter", type=_positive_int, default=20)
+    what.add_argument("--seed", type=int, default=0, help="seed of the query points")
+
+    how = parser.add_argument_group("how hard and how long")
+    loop = how.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=_positive_int, metavar="N",
+                      help="closed loop: N requests in flight at all times (default 16)")
+    loop.add_argument("--rate", type=float, metavar="R",
+                      help="open loop: R requests/s on a constant schedule, latency measured "
+                           "from the scheduled time (coordinated-omission corrected)")
+    how.add_argument("--duration", type=_seconds, default=10.0,
+                     help="measurement window (default 10s)")
+    how.add_argument("--warmup", type=_seconds, default=2.0,
+                     help="load before the window, not recorded (default 2s)")
+    how.add_argument("--processes", type=_positive_int, default=1,
+                     help="load-generator worker processes (default 1)")
+    how.add_argument("--channels", type=_positive_int, default=1,
+                     help="gRPC channels (TCP connections) per process (default 1)")
+    how.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each request")
+    how.add_argument("--max-in-flight", type=_positive_int, default=10_000,
+                     help="open loop: cap on outstanding requests per process")
+
+    security = parser.add_argument_group("TLS and tokens")
+    security.add_argument("--tls", action="store_true",
+                          help="use TLS, verifying the server with the system's CAs")
+    security.add_argument("--tls-ca", metavar="PEM", help="CA bundle of the server (implies --tls)")
+    security.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    security.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    security.add_argument("--tls-server-name", help="name to expect in the server certificate")
+    security.add_argument("--token", default=os.environ.get("GEONEAR_TOKEN"),
+                          help="bearer token (default $GEONEAR_TOKEN)")
+
+    out = parser.add_argument_group("output")
+    _add_outputs(out)  # type: ignore[arg-type]
+    out.add_argument("--quiet", action="store_true",
+                     help="no live display and no summary table")
+
+
+def run_loadtest(args: argparse.Namespace) -> int:
+    """Run ``geonear loadtest`` (or its ``report`` sub-mode) as parsed; the exit status."""
+    try:
+        if getattr(args, "loadtest_command", None) == "report":
+            return _report(args)
+        return _run(args)
+    except LoadTestError as exc:
+        Console(stderr=True).print(f"geonear loadtest: {exc}", markup=False)
+        return 2
+
+
+def _report(args: argparse.Namespace) -> int:
+    runs = read_results(args.results, merge=args.merge)
+    print_summary(runs)
+    _write_outputs(args, runs)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    if args.json:
+        write_results(args.json, runs)
+    if args.html:
+        write_html(args.html, runs, args.title, client_description())
+    if args.png:
+        write_png(args.png, runs, args.title)
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
+    if args.compare:
+        names = [name for name, _ in args.compare]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--compare names must differ, got {names}")
+        return list(args.compare)
+    if args.target:
+        return [(args.target, args.target)]
+    raise ValueError("give --target HOST:PORT or --compare NAME=HOST:PORT ... "
+                     "(or `geonear loadtest report FILES`)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    targets = _targets(args)
+    connection = Connection.from_options(args.tls, args.tls_ca, args.tls_cert, args.tls_key,
+                                         args.tls_server_name, args.token)
+    config = ScenarioConfig(scenario=args.scenario, dataset=args.dataset, batch=args.batch,
+                            k=args.k, radius_m=args.radius_m,
+                            matrix_targets=args.matrix_targets,
+                            kmeans_max_iter=args.kmeans_max_iter, seed=args.seed)
+    concurrency = args.concurrency if args.rate is None else None
+    if concurrency is None and args.rate is None:
+        concurrency = 16
+    plan = LoadPlan(concurrency=concurrency, rate=args.rate, duration_s=args.duration,
+                    warmup_s=args.warmup, processes=args.processes, channels=args.channels,
+                    timeout_s=args.timeout_s, max_in_flight=args.max_in_flight)
+    pool = build_pool(config)
+    console = Console()
+    errors = Console(stderr=True)
+    live = not args.quiet and console.is_terminal
+    runs = []
+    progress: Any = ProgressSink()
+    if live:
+        from geonear.clients.loadtest.progress import LiveProgress
+
+        progress = LiveProgress(console)
+    with progress if live else contextlib.nullcontext():
+        for name, address in targets:
+            prepared = asyncio.run(prepare_target(address, connection, config,
+                                                  create_rows=args.create_dataset,
+                                                  timeout_s=max(600.0, args.timeout_s)))
+            for warning in prepared.warnings:
+                errors.print(f"geonear loadtest: {warning}", markup=False, highlight=False)
+            started = time.time()
+            totals = run_workers(name, address, connection, pool, plan, progress)
+            run = summarise_run(name, address, config.scenario, plan.mode,
+                                {**config.to_dict(), **plan.to_dict()}, prepared.server,
+                                plan.duration_s, totals)
+            run["dataset"] = prepared.dataset
+            run["started_unix_s"] = started
+            if config.scenario == "upload":
+                asyncio.run(drop_upload_scratch(address, connection, config))
+            progress.end(run)
+            runs.append(run)
+    if not args.quiet:
+        print_summary(runs, console)
+    _write_outputs(args, runs)
+    return 0
+
