@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from geonear.service.engines import Engine, EngineUnavailable, create_engine, gpu_available
+from geonear.service.host_memory import tune_allocator
 from geonear.service.servicer import GeoNearServicer
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
@@ -116,6 +117,7 @@ def _load_demo(store: DatasetStore) -> None:
 
 def serve(settings: ServerSettings) -> None:
     """Run the server until SIGINT or SIGTERM, then stop gracefully."""
+    tune_allocator()
     server, port, _ = create_server(settings)
     server.start()
     if not settings.is_loopback():

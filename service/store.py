@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from geonear.service.engines import Engine, PointIndex
 from geonear.service.errors import DatasetExists, DatasetNotFound, InvalidInput, Precondition
+from geonear.service.host_memory import release_freed_memory
 from geonear.service.validation import check_dataset_name, check_unique_ids
 
 log = logging.getLogger("geonear.store")
@@ -158,6 +159,7 @@ class DatasetStore:
                 self._write_manifest({k: v for k, v in self._datasets.items() if k != name})
                 _remove_tree(self.data_dir / name)
             del self._datasets[name]
+            release_freed_memory()
             return current
 
     def _commit(self, name: str, version: int, table: pa.Table) -> DatasetVersion:
@@ -171,6 +173,7 @@ class DatasetStore:
             if previous is not None:
                 _unlink(self._version_path(name, previous.version))
         log.info("dataset %s version %d: %d rows", name, version, table.num_rows)
+        release_freed_memory()
         return built
 
     def _build(self, name: str, version: int, table: pa.Table) -> DatasetVersion:

@@ -25,7 +25,9 @@ def test_install_script_builds_a_working_server(tmp_path: Path) -> None:
     python = env_dir / "bin" / "python"
     result = subprocess.run(
         ["bash", str(ROOT / "docker" / "install.sh"), str(python)],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "installed" in result.stdout
@@ -39,12 +41,21 @@ def test_install_script_builds_a_working_server(tmp_path: Path) -> None:
         "c.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
+    out = subprocess.run(
+        [str(python), "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "EGLL"
     module_path = subprocess.run(
         [str(python), "-c", "import geonear.service.server as s; print(s.__file__)"],
-        capture_output=True, text=True, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
     ).stdout
     assert str(env_dir) in module_path and sys.prefix not in module_path
