@@ -53,20 +53,25 @@ class KDTreeIndex(HostIndex):
         bound = (
             np.inf if max_distance_m is None else _chord_bound(max_distance_m, self.earth_radius_m)
         )
+        # One candidate more than asked shows whether the k-th ties with points beyond it.
+        n_candidates = min(kk + 1, self.n_points)
         _, idx = self.tree.query(
-            unit_vectors(lat, lon), k=kk, distance_upper_bound=bound, workers=self.workers
+            unit_vectors(lat, lon), k=n_candidates, distance_upper_bound=bound, workers=self.workers
         )
-        idx = np.asarray(idx, dtype=np.int64).reshape(n_q, kk)
+        idx = np.asarray(idx, dtype=np.int64).reshape(n_q, n_candidates)
         idx[idx >= self.n_points] = -1
-        return self.exact_neighbours(lat, lon, idx, max_distance_m)
+        found = self.exact_neighbours(lat, lon, idx, max_distance_m)
+        return self.cut_at_k(lat, lon, found, kk)
 
-    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+    def candidates_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         n_q = lat.shape[0]
+        if n_q == 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        bounds = np.array([_chord_bound(float(r), self.earth_radius_m) for r in radius_m])
         found = self.tree.query_ball_point(
-            unit_vectors(lat, lon),
-            _chord_bound(radius_m, self.earth_radius_m),
-            workers=self.workers,
-            return_sorted=False,
+            unit_vectors(lat, lon), bounds, workers=self.workers, return_sorted=False
         )
         counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_q)
         rows = (
@@ -74,7 +79,10 @@ class KDTreeIndex(HostIndex):
             if counts.sum()
             else np.empty(0, dtype=np.int64)
         )
-        query_index = np.repeat(np.arange(n_q, dtype=np.int64), counts)
+        return np.repeat(np.arange(n_q, dtype=np.int64), counts), rows
+
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))
         return self.exact_radius(lat, lon, query_index, rows, radius_m)
 
 

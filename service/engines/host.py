@@ -19,6 +19,9 @@ from geonear.service.geometry import angle_between, great_circle_m, unit_vectors
 
 #: Bound on the number of (query, point) pairs evaluated at once by brute force.
 BLOCK_PAIRS = 1 << 22
+#: Neighbours this close to the k-th one may tie with it, metres: far above float64
+#: rounding of a distance, far below the 1 mm of the exactness rule.
+_TIE_M = 1e-6
 
 
 class HostIndex(PointIndex):
@@ -55,15 +58,47 @@ class HostIndex(PointIndex):
         d, i = sort_neighbours(dist, idx)
         return Neighbours(distances_m=d, indices=i)
 
+    def candidates_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(query_index, rows): a superset of the points within ``radius_m[q]`` of query q."""
+        raise NotImplementedError(f"{type(self).__name__} has no radius candidate search")
+
+    def cut_at_k(
+        self, q_lat: np.ndarray, q_lon: np.ndarray, found: Neighbours, k: int
+    ) -> Neighbours:
+        """The first k of ``found`` (k + 1 exact, sorted candidates per query), ties by row.
+
+        A tree returns some k of several points equally far away, not the k lowest rows.
+        Where the (k+1)-th candidate is as far as the k-th, every point within that
+        distance is fetched and the first k by (distance, row) are kept.
+        """
+        dist, idx = found.distances_m, found.indices
+        if dist.shape[1] <= k:
+            return found
+        with np.errstate(invalid="ignore"):  # inf - inf where both are missing
+            gap = dist[:, k] - dist[:, k - 1]
+        tied = np.flatnonzero(np.isfinite(dist[:, k]) & (gap <= _TIE_M))
+        dist, idx = dist[:, :k].copy(), idx[:, :k].copy()
+        if tied.size:
+            reach = dist[tied, k - 1] + _TIE_M
+            query_index, rows = self.candidates_within(q_lat[tied], q_lon[tied], reach)
+            near = self.exact_radius(q_lat[tied], q_lon[tied], query_index, rows, reach)
+            for j, q in enumerate(tied):
+                lo = near.offsets[j]
+                dist[q] = near.distances_m[lo : lo + k]
+                idx[q] = near.indices[lo : lo + k]
+        return Neighbours(distances_m=dist, indices=idx)
+
     def exact_radius(
         self,
         q_lat: np.ndarray,
         q_lon: np.ndarray,
         query_index: np.ndarray,
         rows: np.ndarray,
-        radius_m: float,
+        radius_m: float | np.ndarray,
     ) -> RadiusNeighbours:
-        """Keep the candidate (query, row) pairs within ``radius_m``, sorted exactly."""
+        """Keep the candidate (query, row) pairs within ``radius_m`` (scalar or per query)."""
         dist = great_circle_m(
             q_lat[query_index],
             q_lon[query_index],
@@ -71,7 +106,8 @@ class HostIndex(PointIndex):
             self.lon[rows],
             self.earth_radius_m,
         )
-        keep = dist <= radius_m
+        limit = np.broadcast_to(np.asarray(radius_m, dtype=np.float64), q_lat.shape)
+        keep = dist <= limit[query_index]
         return sort_radius(query_index[keep], rows[keep], dist[keep], q_lat.shape[0])
 
     def kmeans(

@@ -36,17 +36,27 @@ class BallTreeIndex(HostIndex):
         if kk == 0 or lat.shape[0] == 0:
             n_q = lat.shape[0]
             return Neighbours(np.full((n_q, kk), np.inf), np.full((n_q, kk), -1, np.int64))
-        _, idx = self.tree.query(self._radians(lat, lon), k=kk)
-        return self.exact_neighbours(lat, lon, idx.astype(np.int64), max_distance_m)
+        # One candidate more than asked shows whether the k-th ties with points beyond it.
+        _, idx = self.tree.query(self._radians(lat, lon), k=min(kk + 1, self.n_points))
+        found = self.exact_neighbours(lat, lon, idx.astype(np.int64), max_distance_m)
+        return self.cut_at_k(lat, lon, found, kk)
 
-    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
-        angle = radius_m / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
+    def candidates_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        n_q = lat.shape[0]
+        if n_q == 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        angle = np.asarray(radius_m) / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
         found = self.tree.query_radius(self._radians(lat, lon), r=angle)
-        counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=lat.shape[0])
+        counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_q)
         rows = (
             np.concatenate(found).astype(np.int64) if counts.sum() else np.empty(0, dtype=np.int64)
         )
-        query_index = np.repeat(np.arange(lat.shape[0], dtype=np.int64), counts)
+        return np.repeat(np.arange(n_q, dtype=np.int64), counts), rows
+
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))
         return self.exact_radius(lat, lon, query_index, rows, radius_m)
 
 

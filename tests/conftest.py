@@ -1,0 +1,135 @@
+"""Shared fixtures: a real server on port 0, clients and raw stubs for it, small real data.
+
+Nothing here is faked: the server is the one ``geonear serve`` runs, bound to a free
+loopback port, persisting to a per-test data directory; data sets are the seeded
+synthetic generators and the bundled airports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from geonear.clients.client import Client
+from geonear.loaders.bundled import airports
+from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service.server import create_server
+from geonear.service.settings import ServerSettings
+from geonear.service.store import DatasetStore
+from geonear.v1 import geonear_pb2_grpc as pb_grpc
+
+
+@dataclass
+class RunningServer:
+    """A started server: its port, store and settings; ``stop()`` is idempotent."""
+
+    server: grpc.Server
+    port: int
+    store: DatasetStore
+    settings: ServerSettings
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self.server.stop(grace=None).wait()
+            self._stopped = True
+
+
+def start_server(data_dir: Path | None, **settings: Any) -> RunningServer:
+    """Start a CPU server on a free loopback port with ``settings`` overriding defaults."""
+    settings.setdefault("backend", "cpu")
+    config = ServerSettings(host="127.0.0.1", port=0, data_dir=data_dir, **settings)
+    server, port, store = create_server(config)
+    server.start()
+    return RunningServer(server=server, port=port, store=store, settings=config)
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
+    """Start servers (default data dir: this test's ``tmp_path/data``); all stop at teardown."""
+    started: list[RunningServer] = []
+
+    def make(data_dir: Path | None = None, **settings: Any) -> RunningServer:
+        running = start_server(data_dir or tmp_path / "data", **settings)
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., RunningServer]) -> RunningServer:
+    return server_factory()
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[Client]:
+    with Client(server.target, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(server: RunningServer) -> Iterator[pb_grpc.GeoNearStub]:
+    """A raw stub, for requests the client would never send."""
+    channel = grpc.insecure_channel(server.target)
+    try:
+        yield pb_grpc.GeoNearStub(channel)
+    finally:
+        channel.close()
+
+
+# -- data -------------------------------------------------------------------------------
+def points_table(lat: np.ndarray, lon: np.ndarray, **extra: Any) -> pa.Table:
+    """A dataset table: int64 ids 0..n-1, lat, lon and ``extra`` attribute columns."""
+    columns: dict[str, Any] = {
+        "id": np.arange(lat.shape[0], dtype=np.int64),
+        "lat": lat,
+        "lon": lon,
+    }
+    columns.update(extra)
+    return pa.table(columns)
+
+
+@pytest.fixture(scope="session")
+def uniform() -> tuple[np.ndarray, np.ndarray]:
+    """2000 points uniform on the sphere, (lat, lon) degrees."""
+    return uniform_points(2000, seed=7)
+
+
+@pytest.fixture(scope="session")
+def clustered() -> tuple[np.ndarray, np.ndarray]:
+    """3000 points in tight clusters of unequal sizes, (lat, lon) degrees."""
+    return clustered_points(3000, seed=11, n_clusters=40, spread_m=20_000.0)
+
+
+@pytest.fixture(scope="session")
+def airports_table() -> pa.Table:
+    """The bundled airports (about 28k; string ICAO ids, name, country, ... attributes)."""
+    return airports()
+
+
+@pytest.fixture
+def points_with_attributes() -> pa.Table:
+    """500 uniform points with a string, an int and a float attribute column."""
+    lat, lon = uniform_points(500, seed=3)
+    n = lat.shape[0]
+    return points_table(
+        lat,
+        lon,
+        name=pa.array([f"p{i}" for i in range(n)]),
+        population=np.arange(n, dtype=np.int64) * 10,
+        weight=np.linspace(0.5, 2.0, n),
+    )
