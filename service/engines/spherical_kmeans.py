@@ -55,9 +55,8 @@ def _update(xyz: Any, labels: Any, weights: Any, centroids: Any, xp: Any) -> Any
     return xp.where(empty[:, None], centroids, new)
 
 
-def _seed_kmeans_plus_plus(
-    xyz: Any, k: int, weights: Any, rng: np.random.Generator, xp: Any
-) -> Any:
+def seed_kmeans_plus_plus(xyz: Any, k: int, weights: Any, rng: np.random.Generator, xp: Any) -> Any:
+    """k initial centroids (k, 3) drawn by k-means++ from ``rng`` (see the module docstring)."""
     n = xyz.shape[0]
     w = xp.ones(n, dtype=xp.float64) if weights is None else weights
     chosen = [_draw(xp.cumsum(w), rng, xp)]
@@ -133,7 +132,7 @@ def spherical_kmeans(
     best: tuple[float, Any, Any, int] | None = None
     for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
         rng = np.random.default_rng(child)
-        start = _seed_kmeans_plus_plus(xyz, k, weights, rng, xp)
+        start = seed_kmeans_plus_plus(xyz, k, weights, rng, xp)
         centroids, labels, n_iter = lloyd(
             xyz, start, weights=weights, max_iter=max_iter, tol=tol, xp=xp
         )
