@@ -140,11 +140,38 @@ def _drop(client: Client, args: argparse.Namespace) -> int:
 
 
 def _add_points(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--lat", required=True, type=_floats, help="latitude(s), degrees, comma-separated"
-    )
-    p.add_argument("--lon", required=True, type=_floats, help="longitude(s), degrees")
+    p.add_argument("--lat", type=_floats, help="latitude(s), degrees, comma-separated")
+    p.add_argument("--lon", type=_floats, help="longitude(s), degrees")
+    p.add_argument("--queries", metavar="FILE",
+                   help="query points from a file (CSV, Parquet, Arrow, GeoJSON, GeoParquet; "
+                        "lat/lon columns detected) instead of --lat/--lon")
+    p.add_argument("--out", metavar="FILE",
+                   help="write the results to FILE (.parquet, .csv or .arrow; a matrix also "
+                        ".npy) instead of printing them")
     p.add_argument("--columns", default="", help="attribute columns to add, comma-separated")
+
+
+def _query_points(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(lat, lon) of --queries FILE or of --lat/--lon."""
+    if args.queries:
+        if args.lat is not None or args.lon is not None:
+            raise ValueError("give --queries or --lat/--lon, not both")
+        from geonear.loaders import read_query_points
+
+        return read_query_points(args.queries)
+    if args.lat is None or args.lon is None:
+        raise ValueError("give query points with --lat and --lon, or --queries FILE")
+    return args.lat, args.lon
+
+
+def _write_or_print(frame: pd.DataFrame, args: argparse.Namespace, title: str) -> None:
+    if args.out:
+        from geonear.loaders import write_table
+
+        rows = write_table(frame, args.out)
+        _console.print(f"wrote {rows} rows to {args.out}")
+    else:
+        _print_frame(frame, title)
 
 
 def _columns(args: argparse.Namespace) -> list[str]:
@@ -152,38 +179,38 @@ def _columns(args: argparse.Namespace) -> list[str]:
 
 
 def _knn(client: Client, args: argparse.Namespace) -> int:
-    frame = client.knn(
-        args.name,
-        args.lat,
-        args.lon,
-        k=args.k,
-        max_distance_m=args.max_distance_m,
-        columns=_columns(args),
-    )
-    _print_frame(frame, f"{args.k} nearest in {args.name}")
+    lat, lon = _query_points(args)
+    frame = client.knn(args.name, lat, lon, k=args.k,
+                       max_distance_m=args.max_distance_m, columns=_columns(args))
+    _write_or_print(frame, args, f"{args.k} nearest in {args.name}")
     return 0
 
 
 def _radius(client: Client, args: argparse.Namespace) -> int:
-    frame = client.radius(args.name, args.lat, args.lon, args.radius_m, columns=_columns(args))
-    _print_frame(frame, f"within {args.radius_m} m in {args.name}")
+    lat, lon = _query_points(args)
+    frame = client.radius(args.name, lat, lon, args.radius_m, columns=_columns(args))
+    _write_or_print(frame, args, f"within {args.radius_m} m in {args.name}")
     return 0
 
 
 def _matrix(client: Client, args: argparse.Namespace) -> int:
     if args.name is None and args.lat2 is None:
         raise ValueError("give a dataset NAME or --lat2/--lon2")
-    m = client.distance_matrix(
-        args.lat, args.lon, name=args.name, lat2=args.lat2, lon2=args.lon2, dtype=args.dtype
-    )
-    if args.out:
+    lat, lon = _query_points(args)
+    m = client.distance_matrix(lat, lon, name=args.name, lat2=args.lat2,
+                               lon2=args.lon2, dtype=args.dtype)
+    if args.out and args.out.endswith(".npy"):
         np.save(args.out, m)
         _console.print(f"wrote a {m.shape[0]} x {m.shape[1]} {m.dtype} matrix to {args.out}")
+    elif args.out:
+        # Long form, one row per (query, column) pair: what Parquet/CSV readers expect.
+        rows, cols = np.indices(m.shape)
+        frame = pd.DataFrame({"query_index": rows.ravel(), "column_index": cols.ravel(),
+                              "distance_m": m.ravel()})
+        _write_or_print(frame, args, "distance matrix, metres")
     else:
-        _print_frame(
-            pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
-            "distance matrix, metres",
-        )
+        _print_frame(pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
+                     "distance matrix, metres")
     return 0
 
 
@@ -253,7 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lat2", type=_floats, help="column latitudes (instead of a dataset)")
     p.add_argument("--lon2", type=_floats, help="column longitudes")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    p.add_argument("--out", help="write the matrix to this .npy file instead of printing")
     p = _client_parser(sub, "kmeans", "spherical k-means of a dataset", _run_client(_kmeans))
     p.add_argument("name")
     p.add_argument("-k", type=int, required=True)
