@@ -42,7 +42,7 @@ def check_coordinates(lat: np.ndarray, lon: np.ndarray, what: str = "points") ->
     bad = ~(np.isfinite(lat) & np.isfinite(lon) & (np.abs(lat) <= 90.0) & (np.abs(lon) <= 180.0))
     if bad.any():
         rows = np.flatnonzero(bad)
-        values = [f"lat={lat[r]!r} lon={lon[r]!r}" for r in rows[:_SHOW]]
+        values = [f"lat={float(lat[r])!r} lon={float(lon[r])!r}" for r in rows[:_SHOW]]
         raise InvalidInput(
             f"{what}: "
             + _bad_rows_message("invalid coordinates", rows, values)

@@ -55,13 +55,22 @@ def start_server(data_dir: Path | None, **settings: Any) -> RunningServer:
     return RunningServer(server=server, port=port, store=store, settings=config)
 
 
+_DEFAULT = object()
+
+
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., RunningServer]]:
-    """Start servers (default data dir: this test's ``tmp_path/data``); all stop at teardown."""
+    """Start servers; all stop at teardown.
+
+    ``data_dir`` defaults to this test's ``tmp_path/data``; ``data_dir=None`` keeps the
+    datasets in memory only.
+    """
     started: list[RunningServer] = []
 
-    def make(data_dir: Path | None = None, **settings: Any) -> RunningServer:
-        running = start_server(data_dir or tmp_path / "data", **settings)
+    def make(data_dir: Any = _DEFAULT, **settings: Any) -> RunningServer:
+        directory = tmp_path / "data" if data_dir is _DEFAULT else data_dir
+        assert directory is None or isinstance(directory, Path)
+        running = start_server(directory, **settings)
         started.append(running)
         return running
 
