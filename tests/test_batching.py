@@ -1,0 +1,100 @@
+"""Dynamic batching: batched and unbatched answers are identical; queue deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service.batching import Batcher, QueueDeadlineExceeded
+from geonear.service.engines.cpu import KDTreeIndex
+
+
+class SlowIndex(KDTreeIndex):
+    """A real cKDTree index whose queries take at least ``delay_s`` longer."""
+
+    delay_s = 0.3
+
+    def knn(self, lat, lon, k, max_distance_m=None):
+        time.sleep(self.delay_s)
+        return super().knn(lat, lon, k, max_distance_m)
+
+
+@pytest.fixture(scope="module")
+def index() -> KDTreeIndex:
+    lat, lon = clustered_points(30_000, seed=2)
+    # Duplicates make ties at the k-th neighbour, which must still split exactly.
+    lat = np.concatenate([lat, lat[:500]])
+    lon = np.concatenate([lon, lon[:500]])
+    return KDTreeIndex(lat, lon, 6_371_008.8)
+
+
+def test_concurrent_knn_batched_equals_unbatched(index: KDTreeIndex) -> None:
+    batcher = Batcher(max_points=256, max_delay_us=2000)
+    lat, lon = uniform_points(400, seed=9)
+    lat[:50], lon[:50] = index.lat[:50], index.lon[:50]  # queries on duplicated points
+    ks = [1 + (i % 17) for i in range(400)]
+    bounds = [None if i % 3 else 500_000.0 for i in range(400)]
+
+    def one(i: int):
+        return batcher.knn(index, lat[i : i + 1], lon[i : i + 1], ks[i], bounds[i])
+
+    try:
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            got = list(pool.map(one, range(400)))
+    finally:
+        batcher.close()
+    assert batcher.batches < batcher.requests  # requests really were coalesced
+    for i, result in enumerate(got):
+        want = index.knn(lat[i : i + 1], lon[i : i + 1], ks[i], bounds[i])
+        np.testing.assert_array_equal(result.indices, want.indices)
+        np.testing.assert_array_equal(result.distances_m, want.distances_m)
+
+
+def test_concurrent_radius_batched_equals_unbatched(index: KDTreeIndex) -> None:
+    batcher = Batcher(max_points=128, max_delay_us=2000)
+    lat, lon = index.lat[:200] + 0.05, index.lon[:200]
+    radii = [20_000.0 if i % 2 else 50_000.0 for i in range(200)]
+
+    def one(i: int):
+        return batcher.radius(index, lat[i : i + 1], lon[i : i + 1], radii[i])
+
+    try:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            got = list(pool.map(one, range(200)))
+    finally:
+        batcher.close()
+    for i, result in enumerate(got):
+        want = index.radius(lat[i : i + 1], lon[i : i + 1], radii[i])
+        np.testing.assert_array_equal(result.offsets, want.offsets)
+        np.testing.assert_array_equal(result.indices, want.indices)
+        np.testing.assert_array_equal(result.distances_m, want.distances_m)
+
+
+def test_deadline_in_queue_leaves_the_batch_alone(index: KDTreeIndex) -> None:
+    slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
+    batcher = Batcher(max_points=64, max_delay_us=0)
+    lat, lon = uniform_points(3, seed=1)
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        results["first"] = batcher.knn(slow, lat[:1], lon[:1], 5, None)
+
+    try:
+        runner = threading.Thread(target=first)
+        runner.start()
+        time.sleep(0.1)  # the dispatcher is now busy with the first request
+        with pytest.raises(QueueDeadlineExceeded) as excinfo:
+            batcher.knn(slow, lat[1:2], lon[1:2], 5, None, timeout_s=0.05)
+        assert excinfo.value.status == "DEADLINE_EXCEEDED"
+        runner.join()
+        after = batcher.knn(slow, lat[2:3], lon[2:3], 5, None, timeout_s=30)
+    finally:
+        batcher.close()
+    np.testing.assert_array_equal(results["first"].indices, index.knn(lat[:1], lon[:1], 5).indices)
+    np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
+    assert batcher.requests == 2  # the expired request never reached the engine
