@@ -37,8 +37,8 @@ _DPI = 90
 def _load(run: dict[str, Any]) -> str:
     config = run["config"]
     if run["mode"] == "closed":
-        return f"closed, concurrency {config['concurrency']}"
-    return f"open, {config['rate']:g} req/s"
+        return f"closed c={config['concurrency']}"
+    return f"open {config['rate']:g}/s"
 
 
 def _summary_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -139,7 +139,8 @@ def plot_throughput_and_tail(ax: Axes, runs: Sequence[dict[str, Any]]) -> None:
     right.plot(xs, [run["latency_ms"]["p50"] for run in runs], "s", color="black",
                label="p50")
     right.set_ylabel("latency, ms")
-    right.set_ylim(bottom=0)
+    top = max([run["latency_ms"]["p99"] for run in runs], default=0.0)
+    right.set_ylim(0, top * 1.15 or 1.0)
     right.legend(fontsize="small", loc="upper right")
 
 
