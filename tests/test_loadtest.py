@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,21 +73,39 @@ class _SlowEngine(CPUEngine):
         return _SlowIndex(lat, lon, self.earth_radius_m, self.workers)
 
 
+class _AuthorizationLog(grpc.ServerInterceptor):
+    """Keeps the authorization metadata of every call the server receives."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        self.seen.update(v for k, v in details.invocation_metadata if k == "authorization")
+        return continuation(details)
+
+
+@dataclass
+class _SlowServer:
+    address: str
+    authorization: _AuthorizationLog
+
+
 @pytest.fixture(scope="module")
-def lt_slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def lt_slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_SlowServer]:
     """A server on one RPC thread whose KNN takes 20 ms: at most ~50 KNN/s."""
     settings = ServerSettings(host="127.0.0.1", port=0, backend="cpu", max_workers=1,
                               data_dir=tmp_path_factory.mktemp("loadtest-slow"))
     store = DatasetStore(_SlowEngine(), settings.data_dir)
     store.upload(DATASET, "create", _points_table(2_000, seed=2))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    log = _AuthorizationLog()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[log])
     pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, "cpu"), server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}"
+    yield _SlowServer(f"127.0.0.1:{port}", log)
     server.stop(grace=None).wait()
 
 
@@ -140,7 +159,7 @@ def test_unknown_dataset_counts_not_found_errors(lt_server: str, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "missing.json"
     rc = _loadtest("--target", lt_server, "--scenario", "knn", "--dataset", "no-such-set",
-                   "--concurrency", "4", "--duration", "1", "--warmup", "0",
+                   "--concurrency", "4", "--duration", "0.5", "--warmup", "0",
                    "--json", str(out))
     assert rc == 0
     assert "does not exist" in capsys.readouterr().err
@@ -156,7 +175,7 @@ def test_create_dataset_uploads_uniform_points_first(lt_server: str, tmp_path: P
     out = tmp_path / "created.json"
     rc = _loadtest("--target", lt_server, "--scenario", "radius", "--dataset", "fresh",
                    "--create-dataset", "5000", "--radius-m", "500000", "--concurrency", "2",
-                   "--duration", "1", "--warmup", "0", "--json", str(out))
+                   "--duration", "0.5", "--warmup", "0", "--json", str(out))
     assert rc == 0
     with Client(lt_server) as client:
         assert client.info("fresh").rows == 5000
@@ -177,7 +196,7 @@ def test_other_scenarios_answer_without_errors(lt_server: str, tmp_path: Path, s
                                                extra: list[str]) -> None:
     out = tmp_path / f"{scenario}.json"
     rc = _loadtest("--target", lt_server, "--scenario", scenario, "--dataset", DATASET,
-                   *extra, "--concurrency", "2", "--duration", "1", "--warmup", "0",
+                   *extra, "--concurrency", "2", "--duration", "0.5", "--warmup", "0",
                    "--json", str(out))
     assert rc == 0
     (run,) = _runs(out)
@@ -196,9 +215,9 @@ def test_other_scenarios_answer_without_errors(lt_server: str, tmp_path: Path, s
 
 
 # -- coordinated omission --------------------------------------------------------------
-def test_open_loop_shows_the_queueing_the_closed_loop_hides(lt_slow_server: str,
+def test_open_loop_shows_the_queueing_the_closed_loop_hides(lt_slow_server: _SlowServer,
                                                             tmp_path: Path) -> None:
-    common = ["--target", lt_slow_server, "--scenario", "knn", "--dataset", DATASET,
+    common = ["--target", lt_slow_server.address, "--scenario", "knn", "--dataset", DATASET,
               "--duration", "2", "--warmup", "0"]
     closed, opened = tmp_path / "closed.json", tmp_path / "open.json"
     # One request at a time: the server looks as fast as one KNN.
@@ -220,7 +239,7 @@ def lt_compare_run(lt_server: str, tmp_path_factory: pytest.TempPathFactory) -> 
     """A --compare run of two named targets (the same server twice), JSON, HTML and PNG."""
     out = tmp_path_factory.mktemp("compare")
     rc = _loadtest("--compare", f"first={lt_server}", f"second={lt_server}",
-                   "--scenario", "ping", "--concurrency", "4", "--duration", "1",
+                   "--scenario", "ping", "--concurrency", "4", "--duration", "0.5",
                    "--warmup", "0", "--json", str(out / "compare.json"),
                    "--html", str(out / "compare.html"), "--png", str(out / "compare.png"))
     assert rc == 0
@@ -252,7 +271,7 @@ def test_report_combines_saved_runs(lt_compare_run: Path, lt_server: str,
                                     tmp_path: Path) -> None:
     single = tmp_path / "single.json"
     assert _loadtest("--target", lt_server, "--scenario", "ping", "--concurrency", "2",
-                     "--duration", "1", "--warmup", "0", "--json", str(single)) == 0
+                     "--duration", "0.5", "--warmup", "0", "--json", str(single)) == 0
     page, combined = tmp_path / "both.html", tmp_path / "both.json"
     rc = main(["loadtest", "report", str(lt_compare_run / "compare.json"), str(single),
                "--html", str(page), "--json", str(combined)])
@@ -275,6 +294,24 @@ def test_report_merge_adds_up_parallel_generators(lt_compare_run: Path,
         _assert_consistent(run)
         assert run["successes"] == 2 * before[run["name"]]["successes"]
         assert run["throughput_rps"] == pytest.approx(2 * before[run["name"]]["throughput_rps"])
+
+
+def test_token_travels_as_bearer_metadata(lt_slow_server: _SlowServer, tmp_path: Path) -> None:
+    out = tmp_path / "token.json"
+    assert _loadtest("--target", lt_slow_server.address, "--scenario", "ping", "--token",
+                     "s3cret", "--concurrency", "1", "--duration", "0.5", "--warmup", "0",
+                     "--json", str(out)) == 0
+    assert "Bearer s3cret" in lt_slow_server.authorization.seen
+    (run,) = _runs(out)
+    assert run["successes"] > 0
+
+
+def test_mutual_tls_needs_both_certificate_and_key(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cert = tmp_path / "client.pem"
+    cert.write_text("not used: the options are refused first")
+    assert main(["loadtest", "--target", "localhost:1", "--tls-cert", str(cert)]) == 2
+    assert "--tls-key" in capsys.readouterr().err
 
 
 def test_a_run_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,10 +19,10 @@ import re
 import time
 from typing import Any
 
+import grpc
 from rich.console import Console
 
 from geonear.clients.loadtest.connection import Connection
-from geonear.clients.loadtest.report import print_summary, write_html, write_png
 from geonear.clients.loadtest.results import (
     client_description,
     read_results,
@@ -32,6 +32,7 @@ from geonear.clients.loadtest.results import (
 from geonear.clients.loadtest.runner import LoadPlan, LoadTestError, ProgressSink, run_workers
 from geonear.clients.loadtest.scenarios import (
     SCENARIOS,
+    PreparationFailed,
     ScenarioConfig,
     build_pool,
     drop_upload_scratch,
@@ -64,7 +65,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_outputs(p: argparse.ArgumentParser) -> None:
+def _add_outputs(p: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the raw results (mergeable) here")
     p.add_argument("--html", metavar="PATH",
                    help="write one self-contained HTML report (table and plots) here")
@@ -140,7 +141,7 @@ def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
                           help="bearer token (default $GEONEAR_TOKEN)")
 
     out = parser.add_argument_group("output")
-    _add_outputs(out)  # type: ignore[arg-type]
+    _add_outputs(out)
     out.add_argument("--quiet", action="store_true",
                      help="no live display and no summary table")
 
@@ -151,12 +152,14 @@ def run_loadtest(args: argparse.Namespace) -> int:
         if getattr(args, "loadtest_command", None) == "report":
             return _report(args)
         return _run(args)
-    except LoadTestError as exc:
+    except (LoadTestError, PreparationFailed) as exc:
         Console(stderr=True).print(f"geonear loadtest: {exc}", markup=False)
         return 2
 
 
 def _report(args: argparse.Namespace) -> int:
+    from geonear.clients.loadtest.report import print_summary
+
     runs = read_results(args.results, merge=args.merge)
     print_summary(runs)
     _write_outputs(args, runs)
@@ -164,6 +167,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    # Imported here, not at the top: every worker process imports this package, and
+    # matplotlib would add half a second to each one's start.
+    from geonear.clients.loadtest.report import write_html, write_png
+
     if args.json:
         write_results(args.json, runs)
     if args.html:
@@ -223,10 +230,16 @@ def _run(args: argparse.Namespace) -> int:
             run["dataset"] = prepared.dataset
             run["started_unix_s"] = started
             if config.scenario == "upload":
-                asyncio.run(drop_upload_scratch(address, connection, config))
+                try:
+                    asyncio.run(drop_upload_scratch(address, connection, config))
+                except grpc.aio.AioRpcError as exc:
+                    errors.print(f"geonear loadtest: scratch datasets left at {address}: "
+                                 f"{exc.code().name}: {exc.details()}", markup=False)
             progress.end(run)
             runs.append(run)
     if not args.quiet:
+        from geonear.clients.loadtest.report import print_summary
+
         print_summary(runs, console)
     _write_outputs(args, runs)
     return 0

@@ -121,8 +121,7 @@ def split_plan(plan: LoadPlan, address: str, connection: Connection,
         if plan.concurrency is not None:
             share = plan.concurrency // n + (1 if i < plan.concurrency % n else 0)
             out.append(WorkerPlan(i, address, connection, pool, plan, concurrency=share))
-        else:
-            assert plan.rate is not None
+        elif plan.rate is not None:
             out.append(WorkerPlan(i, address, connection, pool, plan, rate=plan.rate / n,
                                   rate_offset_s=i / plan.rate))
     return out

@@ -235,13 +235,28 @@ class Prepared:
     warnings: list[str]
 
 
+class PreparationFailed(Exception):
+    """A target refused the calls made before the run (dataset check or creation)."""
+
+
 async def prepare_target(address: str, connection: Connection, config: ScenarioConfig,
                          create_rows: int = 0, timeout_s: float = 600.0,
                          connect_timeout_s: float = 10.0) -> Prepared:
     """Check that ``address`` answers, describe its server and dataset, create it if asked.
 
-    Raises OSError when the server cannot be reached within ``connect_timeout_s``.
+    Raises OSError when the server cannot be reached within ``connect_timeout_s``, and
+    PreparationFailed (with the status and the server's message) when it refuses.
     """
+    try:
+        return await _prepare(address, connection, config, create_rows, timeout_s,
+                              connect_timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise PreparationFailed(f"{address} refused the preparation of the run: "
+                                f"{exc.code().name}: {exc.details()}") from exc
+
+
+async def _prepare(address: str, connection: Connection, config: ScenarioConfig,
+                   create_rows: int, timeout_s: float, connect_timeout_s: float) -> Prepared:
     warnings: list[str] = []
     async with connection.aio_channel(address) as channel:
         try:
