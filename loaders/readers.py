@@ -377,7 +377,9 @@ def _csv_format(path: Path, options: dict[str, Any]) -> ds.CsvFileFormat:
 # -- Parquet, Arrow, datasets -----------------------------------------------------------
 def _read_parquet(path: Path, batch_rows: int) -> Source:
     try:
-        file = pq.ParquetFile(path)
+        # Without pre-buffering, each row group's buffers are freed once decoded; with it,
+        # memory grows with the file.
+        file = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"cannot read Parquet file {path}: {exc}") from exc
     schema = file.schema_arrow
@@ -404,8 +406,12 @@ def _read_arrow(path: Path, batch_rows: int) -> Source:
 
 def _read_dataset(files: Sequence[Path], fmt: str, csv_options: dict[str, Any],
                   batch_rows: int, what: str) -> Source:
-    file_format: Any = {"parquet": "parquet", "arrow": "ipc"}.get(fmt)
-    if fmt == "csv":
+    file_format: Any = "ipc"
+    if fmt == "parquet":
+        file_format = ds.ParquetFileFormat(default_fragment_scan_options=ds.
+                                           ParquetFragmentScanOptions(pre_buffer=False,
+                                                                      buffer_size=1 << 20))
+    elif fmt == "csv":
         file_format = _csv_format(files[0], csv_options)
     try:
         dataset = ds.dataset([str(p) for p in files], format=file_format)

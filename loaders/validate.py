@@ -182,11 +182,13 @@ class _SeenIds:
                     hit[i] = same
             repeated |= hit
         new = ~repeated
-        order = np.argsort(keys[new], kind="stable")
-        if not is_text or rows.size:
+        if is_text:
+            order = np.argsort(keys[new], kind="stable")
             self._keys.append(keys[new][order])
-        if is_text and rows.size:
             self._rows.append(rows[new][order])
+        else:
+            self._keys.append(np.sort(keys[new]))
+        if is_text:
             self._strings.append((ids, rows))
             self._string_starts.append(int(rows[0]) if rows.size else 0)
         self._merge()
@@ -195,11 +197,16 @@ class _SeenIds:
     def _merge(self) -> None:
         while len(self._keys) > 1 and self._keys[-1].shape[0] >= self._keys[-2].shape[0]:
             keys = np.concatenate([self._keys.pop(-2), self._keys.pop()])
+            if not self._rows:
+                # Two sorted runs: a stable (merge) sort in place is linear and needs no
+                # index array, which keeps the peak to about twice the ids' bytes.
+                keys.sort(kind="stable")
+                self._keys.append(keys)
+                continue
             order = np.argsort(keys, kind="stable")
             self._keys.append(keys[order])
-            if self._rows:
-                rows = np.concatenate([self._rows.pop(-2), self._rows.pop()])
-                self._rows.append(rows[order])
+            rows = np.concatenate([self._rows.pop(-2), self._rows.pop()])
+            self._rows.append(rows[order])
 
 
 class PointValidator:
