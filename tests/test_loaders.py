@@ -589,11 +589,13 @@ def test_write_table_formats_round_trip(tmp_path: Path) -> None:
 
 
 # -- bounded memory while streaming --------------------------------------------------------
+# VmHWM, not getrusage's ru_maxrss: the latter keeps the forking parent's peak across exec.
 _PEAK = textwrap.dedent("""
-    import resource, sys
+    import sys
     from geonear.clients.cli import main
     code = main(sys.argv[1:])
-    print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    status = open("/proc/self/status").read()
+    print("PEAK_KB", status.split("VmHWM:")[1].split()[0])
     sys.exit(code)
 """)
 
@@ -615,10 +617,11 @@ def test_loading_streams_with_bounded_memory(server: str, client: Client,
     small_kb = _peak_load_kb(small, "mem_small", server)
     large_kb = _peak_load_kb(large, "mem_large", server)
     assert client.info("mem_large").rows == 2_000_000
-    # Ten times the rows (1.8M more, 43 MB of id/lat/lon per copy) must cost the client
-    # far less than one copy of the data: batches stream through.
+    # 1.8M more rows hold 58 MB per copy (row id, id_original, lat, lon); a client that
+    # held the table would peak at least that much higher (measured: about 80 MB), one
+    # that streams about 20-30 MB (allocator noise).
     print(f"peak RSS of the load: {small_kb} kB (200k rows), {large_kb} kB (2M rows)")
-    assert large_kb - small_kb < 30_000, (small_kb, large_kb)
+    assert large_kb - small_kb < 45_000, (small_kb, large_kb)
 
 
 @pytest.mark.skipif(not os.environ.get("GEONEAR_BIG_LOAD"),
@@ -630,3 +633,21 @@ def test_ten_million_rows_load_with_bounded_memory(server: str, client: Client,
     peak_kb = _peak_load_kb(path, "ten_million", server)
     assert client.info("ten_million").rows == 10_000_000
     assert peak_kb < 600_000, peak_kb
+
+
+# -- the analyst notebook ------------------------------------------------------------------
+@pytest.mark.slow
+def test_analyst_notebook_runs_headless(tmp_path: Path) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    notebook = nbformat.read(ROOT / "examples" / "analyst.ipynb", as_version=4)
+    nbformat.validate(notebook)
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "rows into airports" in text
+    assert "id <- row numbers" in text
