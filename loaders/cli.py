@@ -103,14 +103,19 @@ def run_load(args: argparse.Namespace) -> int:
         elapsed = max(time.perf_counter() - start, 1e-9)
         progress.update(task, completed=done, rows=read, rate=read / elapsed)
 
+    def on_sent(stream: PointStream) -> None:
+        if task is not None:
+            total = progress.tasks[0].total
+            progress.update(task, description=f"storing {name}",
+                            completed=total if total else None)
+
     with Client(args.target, timeout_s=args.timeout_s) as client, progress:
         result = upload_points(
             client, name, "-" if args.source == "-" else args.source, mode=args.mode,
             lat=args.lat, lon=args.lon, id=False if args.row_ids else args.id,
             skip_invalid=args.skip_invalid, format=args.format, delimiter=args.delimiter,
-            batch_rows=args.batch_rows, on_batch=on_batch, timeout_s=args.timeout_s)
-        if task is not None and progress.tasks[0].total:
-            progress.update(task, completed=progress.tasks[0].total)
+            batch_rows=args.batch_rows, on_batch=on_batch, on_sent=on_sent,
+            timeout_s=args.timeout_s)
     if not args.quiet:
         Console().print(result.describe(), highlight=False, soft_wrap=True)
     return 0

@@ -192,6 +192,7 @@ def upload_points(
     delimiter: str | None = None,
     batch_rows: int = BATCH_ROWS,
     on_batch: Callable[[int, PointStream], None] | None = None,
+    on_sent: Callable[[PointStream], None] | None = None,
     timeout_s: float | None = None,
 ) -> LoadResult:
     """Stream the points of ``source`` into dataset ``name`` of ``client``'s server.
@@ -200,7 +201,8 @@ def upload_points(
     bounded. When a bad row is found (and ``skip_invalid`` is off) the upload is
     cancelled, which leaves the server's previous version untouched, and the
     validation error is raised. Row-number ids continue the dataset's numbering on
-    ``mode="append"``. ``on_batch(rows, stream)`` is called after each batch is sent.
+    ``mode="append"``. ``on_batch(rows, stream)`` is called after each batch is sent,
+    ``on_sent(stream)`` once the last one is, while the server builds the new version.
     """
     stream = open_points(source, lat, lon, id, skip_invalid=skip_invalid, format=format,
                          delimiter=delimiter, batch_rows=batch_rows)
@@ -227,6 +229,8 @@ def upload_points(
                 if on_batch is not None:
                     on_batch(batch.num_rows, stream)
                 batch = next(it, None)
+            if on_sent is not None:
+                on_sent(stream)
         except BaseException as exc:
             failure.append(exc)
             raise

@@ -318,8 +318,10 @@ def _csv_options(sample_bytes: bytes, options: dict[str, Any]) -> tuple[
     delimiter, header, names = _csv_names(sample_bytes, options)
     text_columns = coordinate_candidates(names, options["lat"], options["lon"])
     return (
+        # Arrow's streaming CSV reader reads a fixed number of blocks ahead: small blocks
+        # keep that read-ahead (and so memory) to tens of MB whatever the file's size.
         pacsv.ReadOptions(column_names=names, skip_rows=1 if header else 0,
-                          block_size=1 << 22),
+                          block_size=1 << 20),
         pacsv.ParseOptions(delimiter=delimiter),
         # Coordinates are parsed later, by row, so a bad value is reported with its row.
         pacsv.ConvertOptions(column_types={c: pa.string() for c in text_columns}),
