@@ -119,6 +119,11 @@ def serve(settings: ServerSettings) -> None:
     """Run the server until SIGINT or SIGTERM, then stop gracefully."""
     tune_allocator()
     server, port, _ = create_server(settings)
+    # Handlers go in before the address is announced: a SIGTERM right after the
+    # "listening" line must still stop the server gracefully.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     server.start()
     if not settings.is_loopback():
         log.warning(
@@ -127,9 +132,6 @@ def serve(settings: ServerSettings) -> None:
             settings.host,
         )
     log.info("geonear listening on %s:%d", settings.host, port)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down")
     server.stop(grace=5).wait()
