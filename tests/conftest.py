@@ -101,17 +101,6 @@ def stub(server: RunningServer) -> Iterator[pb_grpc.GeoNearStub]:
 
 
 # -- data -------------------------------------------------------------------------------
-def points_table(lat: np.ndarray, lon: np.ndarray, **extra: Any) -> pa.Table:
-    """A dataset table: int64 ids 0..n-1, lat, lon and ``extra`` attribute columns."""
-    columns: dict[str, Any] = {
-        "id": np.arange(lat.shape[0], dtype=np.int64),
-        "lat": lat,
-        "lon": lon,
-    }
-    columns.update(extra)
-    return pa.table(columns)
-
-
 @pytest.fixture(scope="session")
 def uniform() -> tuple[np.ndarray, np.ndarray]:
     """2000 points uniform on the sphere, (lat, lon) degrees."""
@@ -128,17 +117,3 @@ def clustered() -> tuple[np.ndarray, np.ndarray]:
 def airports_table() -> pa.Table:
     """The bundled airports (about 28k; string ICAO ids, name, country, ... attributes)."""
     return airports()
-
-
-@pytest.fixture
-def points_with_attributes() -> pa.Table:
-    """500 uniform points with a string, an int and a float attribute column."""
-    lat, lon = uniform_points(500, seed=3)
-    n = lat.shape[0]
-    return points_table(
-        lat,
-        lon,
-        name=pa.array([f"p{i}" for i in range(n)]),
-        population=np.arange(n, dtype=np.int64) * 10,
-        weight=np.linspace(0.5, 2.0, n),
-    )
