@@ -503,6 +503,7 @@ def decode_wkb_points(array: pa.Array, first_row: int = 0) -> tuple[np.ndarray, 
         array = array.combine_chunks()
     if isinstance(array.type, pa.ExtensionType):
         array = array.storage
+    offset_type: type[np.integer[Any]]
     if pa.types.is_large_binary(array.type):
         offset_type = np.int64
     elif pa.types.is_binary(array.type):

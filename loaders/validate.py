@@ -164,8 +164,8 @@ class _SeenIds:
             keys = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
             repeated = pd.Series(keys).duplicated(keep="first").to_numpy()
         repeated = repeated.copy()
-        for run, run_rows in zip(self._keys, self._rows or [None] * len(self._keys),
-                                 strict=True):
+        run_rows_list: list[np.ndarray | None] = list(self._rows) or [None] * len(self._keys)
+        for run, run_rows in zip(self._keys, run_rows_list, strict=True):
             at = np.searchsorted(run, keys)
             hit = (at < run.shape[0]) & (run[np.minimum(at, run.shape[0] - 1)] == keys)
             if is_text and hit.any():

@@ -632,6 +632,7 @@ def test_ten_million_rows_load_with_bounded_memory(server: str, client: Client,
     write_points(path, 10_000_000, clustered=True, seed=1)
     peak_kb = _peak_load_kb(path, "ten_million", server)
     assert client.info("ten_million").rows == 10_000_000
+    print(f"peak RSS of the 10M-row load: {peak_kb} kB")
     assert peak_kb < 600_000, peak_kb
 
 
