@@ -2,7 +2,8 @@
 
 ``create_server(settings)`` returns ``(server, port, store)`` with the servicer, health
 checking and reflection registered; tests bind port 0 and use the port returned.
-``serve(settings)`` runs it until SIGINT/SIGTERM.
+``build_server(settings)`` returns the same and what runs beside it (health, admission,
+metrics; :class:`ServerParts`). ``serve(settings)`` runs it until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,13 +12,19 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from geonear.service.admission import Admission
+from geonear.service.auth import TokenCheck, load_tokens
 from geonear.service.engines import Engine, EngineUnavailable, create_engine, gpu_available
 from geonear.service.host_memory import tune_allocator
+from geonear.service.interceptor import ServerInterceptor
+from geonear.service.metrics import Metrics
 from geonear.service.servicer import GeoNearServicer
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
@@ -56,32 +63,110 @@ def select_engine(settings: ServerSettings) -> tuple[Engine, str]:
     return create_engine("cpu", radius), "cpu"
 
 
-def create_server(settings: ServerSettings) -> tuple[grpc.Server, int, DatasetStore]:
-    """A started-but-not-yet-serving server bound to ``settings.host:settings.port``."""
+@dataclass
+class ServerParts:
+    """A built server and what runs beside it.
+
+    Attributes
+    ----------
+    server : grpc.Server
+        Bound, not yet started.
+    port : int
+        The port bound (the one picked when the settings say 0).
+    store : DatasetStore
+    health : health.HealthServicer
+        Serving status of "" and the GeoNear service; NOT_SERVING once shutdown begins.
+    admission : Admission
+        Calls in flight against ``max_concurrent_rpcs``.
+    metrics : Metrics
+    metrics_port : int or None
+        Port of the ``/metrics`` endpoint, when ``metrics_port`` is set.
+    """
+
+    server: grpc.Server
+    port: int
+    store: DatasetStore
+    health: health.HealthServicer
+    admission: Admission
+    metrics: Metrics
+    metrics_port: int | None = None
+    settings: ServerSettings | None = None
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+        self.metrics.state.serving = serving
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, give in-flight ones ``grace_s`` to finish."""
+        self.set_serving(False)
+        self.server.stop(grace=grace_s).wait()
+        self.metrics.stop_http()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise OSError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings; mutual TLS when a client CA is given."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    client_ca = _read(settings.tls_client_ca) if settings.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(_read(settings.tls_key), _read(settings.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def build_server(settings: ServerSettings) -> ServerParts:
+    """A bound, not yet started server with everything beside it (see ServerParts)."""
+    tokens = TokenCheck(load_tokens(settings.auth_tokens)) if settings.auth_tokens else None
+    credentials = server_credentials(settings)
     engine, backend = select_engine(settings)
     engine.warm_up()
-    store = DatasetStore(engine, settings.data_dir)
+    limits = settings.limits
+    store = DatasetStore(engine, settings.data_dir, limits)
     skipped = store.load_persisted()
     if skipped:
         log.error("datasets not reloaded: %s", ", ".join(skipped))
     if settings.demo:
         _load_demo(store)
-    limit = settings.limits.max_message_bytes
+    admission = Admission(limits.max_concurrent_rpcs)
+    metrics = Metrics(store, engine, backend, lambda: admission.in_flight)
+    interceptor = ServerInterceptor(
+        admission,
+        max_message_bytes=limits.max_message_bytes,
+        tokens=tokens,
+        metrics=metrics,
+        log_requests=settings.log_requests,
+    )
+    # Two threads beyond the admission cap answer refusals and health checks while
+    # every admitted call is busy.
+    threads = max(settings.max_workers, limits.max_concurrent_rpcs) + 2
     server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=settings.max_workers, thread_name_prefix="geonear-rpc"
-        ),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="geonear-rpc"),
+        interceptors=[interceptor],
         options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            # Twice the limit, so that geonear (not gRPC) refuses a message just above it
+            # with a message naming the setting (see geonear.service.interceptor).
+            ("grpc.max_receive_message_length", 2 * limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, backend), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -93,17 +178,33 @@ def create_server(settings: ServerSettings) -> tuple[grpc.Server, int, DatasetSt
     address = f"{settings.host}:{settings.port}"
     if ":" in settings.host and not settings.host.startswith("["):
         address = f"[{settings.host}]:{settings.port}"
-    port = server.add_insecure_port(address)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind {address}")
+    parts = ServerParts(server, port, store, health_servicer, admission, metrics, None, settings)
+    parts.set_serving(True)
+    if settings.metrics_port is not None:
+        parts.metrics_port = metrics.serve_http(settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, parts.metrics_port)
     log.info(
-        "engine %s (%s backend) on %s; earth radius %.1f m",
+        "engine %s (%s backend) on %s; earth radius %.1f m; %s; %s",
         engine.name,
         backend,
         engine.describe_device(),
         engine.earth_radius_m,
+        ("mutual TLS" if settings.tls_client_ca else "TLS") if credentials else "plaintext",
+        f"{len(tokens)} bearer token(s)" if tokens else "no tokens",
     )
-    return server, port, store
+    return parts
+
+
+def create_server(settings: ServerSettings) -> tuple[grpc.Server, int, DatasetStore]:
+    """A started-but-not-yet-serving server bound to ``settings.host:settings.port``."""
+    parts = build_server(settings)
+    return parts.server, parts.port, parts.store
 
 
 def _load_demo(store: DatasetStore) -> None:
@@ -115,23 +216,46 @@ def _load_demo(store: DatasetStore) -> None:
             store.upload(name, "create", normalise_upload(load()))
 
 
+def exposure_warning(settings: ServerSettings) -> str | None:
+    """A warning when the server is reachable beyond this host without TLS or tokens."""
+    if settings.is_loopback():
+        return None
+    missing = [
+        what
+        for what, present in (("TLS", settings.tls), ("tokens", settings.auth_tokens))
+        if not present
+    ]
+    if not missing:
+        return None
+    consequence = {
+        "TLS": "traffic, tokens included, can be read and changed on the way",
+        "tokens": "anyone who can reach it can read and change data",
+    }
+    return (
+        f"listening on {settings.host} without "
+        + " or ".join(missing)
+        + ": "
+        + "; ".join(consequence[m] for m in missing)
+    )
+
+
 def serve(settings: ServerSettings) -> None:
-    """Run the server until SIGINT or SIGTERM, then stop gracefully."""
+    """Run the server until SIGINT or SIGTERM, then stop gracefully.
+
+    On a signal: health turns NOT_SERVING, new calls are refused, and calls in flight
+    get ``shutdown_grace_s`` seconds to finish.
+    """
     tune_allocator()
-    server, port, _ = create_server(settings)
-    # Handlers go in before the address is announced: a SIGTERM right after the
-    # "listening" line must still stop the server gracefully.
+    parts = build_server(settings)
+    parts.server.start()
+    warning = exposure_warning(settings)
+    if warning:
+        log.warning(warning)
+    log.info("geonear listening on %s:%d", settings.host, parts.port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    if not settings.is_loopback():
-        log.warning(
-            "listening on %s without TLS or tokens: anyone who can reach it can "
-            "read and change data",
-            settings.host,
-        )
-    log.info("geonear listening on %s:%d", settings.host, port)
     stop.wait()
-    log.info("shutting down")
-    server.stop(grace=5).wait()
+    log.info("shutting down: NOT_SERVING, %.1f s for calls in flight", settings.shutdown_grace_s)
+    parts.stop(settings.shutdown_grace_s)
+    log.info("stopped")

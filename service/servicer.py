@@ -101,7 +101,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             header: pb.UploadHeader | None = None
             decoder = BatchDecoder()
             batches: list[pa.RecordBatch] = []
-            rows = 0
+            rows = received_bytes = 0
             for message in request_iterator:
                 if header is None:
                     if not message.HasField("header"):
@@ -119,6 +119,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                         f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
                         "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append"
                     )
+                # Refuse an upload far beyond the memory budget before all of it arrives.
+                received_bytes += batch.nbytes
+                self.store.check_host_budget(header.dataset, received_bytes)
                 batches.append(batch)
             if header is None:
                 raise InvalidInput("the Upload stream was empty")
@@ -275,6 +278,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 tol=request.tol or 1e-6,
                 weight_column=request.weight_column,
                 limits=self.limits,
+                should_stop=lambda: not context.is_active(),
             )
             # k <= max_k keeps the centroid table small enough for one message.
             (centroids,) = table_to_messages(
@@ -307,6 +311,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 max_upload_rows=limits.max_upload_rows,
                 max_message_bytes=limits.max_message_bytes,
                 max_query_points=limits.max_query_points,
+                max_concurrent_rpcs=limits.max_concurrent_rpcs,
+                max_dataset_host_bytes=limits.dataset_host_bytes(),
+                max_dataset_device_bytes=limits.max_dataset_device_bytes,
             ),
             engines=[
                 self.engine.name,

@@ -7,21 +7,33 @@ use the setting's name in capitals with the ``GEONEAR_`` prefix, e.g. ``GEONEAR_
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from geonear.service.geometry import EARTH_RADIUS_M
 
 
+def physical_memory_bytes() -> int:
+    """Physical memory of the host, bytes (0 where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 class Limits(BaseSettings):
-    """Admission limits; a request beyond one is refused with RESOURCE_EXHAUSTED."""
+    """Admission limits; a request beyond one is refused with RESOURCE_EXHAUSTED.
+
+    Every refusal names the limit and the environment variable that raises it.
+    """
 
     model_config = SettingsConfigDict(env_prefix="GEONEAR_", extra="ignore")
 
-    max_k: int = Field(10_000, ge=1, description="largest k of a KNN query")
+    max_k: int = Field(10_000, ge=1, description="largest k of a KNN or k-means query")
     max_matrix_cells: int = Field(
         2_000_000_000, ge=1, description="largest rows x cols of a distance matrix"
     )
@@ -34,6 +46,27 @@ class Limits(BaseSettings):
     max_query_points: int = Field(
         2_000_000, ge=1, description="largest number of query points in one request"
     )
+    max_concurrent_rpcs: int = Field(
+        16, ge=1, description="calls running at once; health checks are not counted"
+    )
+    max_dataset_host_bytes: int = Field(
+        0,
+        ge=0,
+        description="host memory all datasets together may hold, bytes; "
+        "0: three quarters of physical memory",
+    )
+    max_dataset_device_bytes: int = Field(
+        0,
+        ge=0,
+        description="device memory all datasets together may hold, bytes; "
+        "0: no limit but the device's own",
+    )
+
+    def dataset_host_bytes(self) -> int:
+        """The host budget in force: the setting, or 3/4 of physical memory for 0."""
+        if self.max_dataset_host_bytes:
+            return self.max_dataset_host_bytes
+        return physical_memory_bytes() * 3 // 4
 
 
 class ServerSettings(BaseSettings):
@@ -56,9 +89,38 @@ class ServerSettings(BaseSettings):
     max_workers: int = Field(16, ge=1, description="threads serving RPCs")
     demo: bool = Field(False, description="load the bundled airports and cities at start")
     limits: Limits = Field(default_factory=lambda: Limits())
+    # -- security ----------------------------------------------------------------------
+    tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
+    tls_key: Path | None = Field(None, description="PEM private key of the server")
+    tls_client_ca: Path | None = Field(
+        None, description="PEM CA bundle; when set, clients must present a certificate it signed"
+    )
+    auth_tokens: Path | None = Field(
+        None, description="file of bearer tokens and their scopes (see geonear.service.auth)"
+    )
+    # -- observability and lifecycle ---------------------------------------------------
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port on the same host; None: off"
+    )
+    log_requests: bool = Field(True, description="one log line per request (geonear.requests)")
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="seconds in-flight calls get to finish at shutdown"
+    )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     def is_loopback(self) -> bool:
         try:
-            return ipaddress.ip_address(self.host).is_loopback
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
         except ValueError:
             return self.host == "localhost"

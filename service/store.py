@@ -8,18 +8,32 @@ take no lock.
 
 With a data directory, every version is written (temporary file, fsync, rename, fsync
 of the directory) before the change is acknowledged, and a manifest records the current
-version of every dataset, updated the same way. At start the manifest's datasets are
-reloaded; a file that cannot be read is reported and skipped.
+version of every dataset, updated the same way. The order of the steps keeps the
+manifest pointing at complete files only: a new version's file is durable before the
+manifest names it, and an old version's file is deleted only after the manifest stops
+naming it. A crash between the steps leaves at most an unnamed file behind.
+
+At start, leftover temporary files are deleted, the manifest's datasets are reloaded
+(each file validated in full), a file that cannot be read is reported, renamed
+``*.corrupt`` and skipped without taking the others down, and version files the
+manifest does not name are deleted.
+
+The store also holds the memory budget for datasets (``max_dataset_host_bytes``,
+``max_dataset_device_bytes``): a change that would take all datasets together beyond
+it is refused before it replaces anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,13 +42,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from geonear.service.engines import Engine, PointIndex
-from geonear.service.errors import DatasetExists, DatasetNotFound, InvalidInput, Precondition
+from geonear.service.errors import (
+    DatasetExists,
+    DatasetNotFound,
+    InvalidInput,
+    LimitExceeded,
+    Precondition,
+    ServiceError,
+)
 from geonear.service.host_memory import release_freed_memory
-from geonear.service.validation import check_dataset_name, check_unique_ids
+from geonear.service.settings import Limits
+from geonear.service.validation import DATASET_NAME, check_dataset_name, check_unique_ids
 
 log = logging.getLogger("geonear.store")
 
 MANIFEST = "manifest.json"
+#: Names of the files the store writes inside a dataset's folder.
+_VERSION_FILE = re.compile(r"^v\d{8}\.arrow$")
+_TMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
@@ -88,9 +113,13 @@ def column_numpy(table: pa.Table, name: str) -> np.ndarray:
 class DatasetStore:
     """Datasets by name, built by one engine, optionally persisted in ``data_dir``."""
 
-    def __init__(self, engine: Engine, data_dir: Path | None = None) -> None:
+    def __init__(
+        self, engine: Engine, data_dir: Path | None = None, limits: Limits | None = None
+    ) -> None:
         self.engine = engine
         self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.limits = limits or Limits()
+        self._host_budget = self.limits.dataset_host_bytes()
         self._datasets: dict[str, DatasetVersion] = {}
         self._lock = threading.Lock()
         if self.data_dir is not None:
@@ -107,6 +136,40 @@ class DatasetStore:
 
     def datasets(self) -> list[DatasetVersion]:
         return sorted(self._datasets.values(), key=lambda d: d.name)
+
+    def host_bytes(self) -> int:
+        """Host memory held by all datasets' current versions."""
+        return sum(d.host_bytes for d in list(self._datasets.values()))
+
+    def device_bytes(self) -> int:
+        """Device memory held by all datasets' current versions."""
+        return sum(d.index.device_bytes for d in list(self._datasets.values()))
+
+    def check_host_budget(self, name: str, new_bytes: int) -> None:
+        """Refuse when ``new_bytes`` for ``name`` (replacing its current version) won't fit.
+
+        Called as an upload arrives too, so that one far beyond the budget is refused
+        before the whole of it has been received.
+        """
+        others = sum(d.host_bytes for n, d in list(self._datasets.items()) if n != name)
+        if others + new_bytes > self._host_budget:
+            raise LimitExceeded(
+                f"dataset {name!r} needs {new_bytes} bytes of host memory; with the other "
+                f"datasets' {others} that exceeds max_dataset_host_bytes={self._host_budget} "
+                "(setting GEONEAR_MAX_DATASET_HOST_BYTES); drop datasets or raise the limit"
+            )
+
+    def _check_device_budget(self, name: str, new_bytes: int) -> None:
+        budget = self.limits.max_dataset_device_bytes
+        if not budget:
+            return
+        others = sum(d.index.device_bytes for n, d in self._datasets.items() if n != name)
+        if others + new_bytes > budget:
+            raise LimitExceeded(
+                f"dataset {name!r} needs {new_bytes} bytes of device memory; with the other "
+                f"datasets' {others} that exceeds max_dataset_device_bytes={budget} "
+                "(setting GEONEAR_MAX_DATASET_DEVICE_BYTES); drop datasets or raise the limit"
+            )
 
     # -- changing ------------------------------------------------------------------------
     def upload(self, name: str, mode: str, table: pa.Table) -> DatasetVersion:
@@ -153,25 +216,39 @@ class DatasetStore:
             return self._commit(name, current.version + 1, table), n_deleted, not_found
 
     def drop(self, name: str) -> DatasetVersion:
+        """Remove a dataset; durable once the manifest no longer names it."""
         with self._lock:
             current = self.get(name)
             if self.data_dir is not None:
-                self._write_manifest({k: v for k, v in self._datasets.items() if k != name})
+                remaining = {k: v for k, v in self._datasets.items() if k != name}
+                with _storage_errors(name):
+                    self._write_manifest(remaining)
+                # The manifest no longer names these files: a crash here leaves orphans
+                # that the next start deletes.
                 _remove_tree(self.data_dir / name)
             del self._datasets[name]
             release_freed_memory()
             return current
 
     def _commit(self, name: str, version: int, table: pa.Table) -> DatasetVersion:
+        # Refuse by the table's size before paying for an index, then by the real size.
+        self.check_host_budget(name, int(table.nbytes))
         built = self._build(name, version, table)
-        if self.data_dir is not None:
-            self._persist(built)
+        self.check_host_budget(name, built.host_bytes)
+        self._check_device_budget(name, built.index.device_bytes)
         previous = self._datasets.get(name)
-        self._datasets[name] = built
         if self.data_dir is not None:
-            self._write_manifest(self._datasets)
+            path = self._version_path(name, version)
+            with _storage_errors(name):
+                try:
+                    self._persist(built)
+                    self._write_manifest({**self._datasets, name: built})
+                except OSError:
+                    _unlink(path)
+                    raise
             if previous is not None:
                 _unlink(self._version_path(name, previous.version))
+        self._datasets[name] = built
         log.info("dataset %s version %d: %d rows", name, version, table.num_rows)
         release_freed_memory()
         return built
@@ -190,8 +267,10 @@ class DatasetStore:
 
     def _persist(self, dataset: DatasetVersion) -> None:
         path = self._version_path(dataset.name, dataset.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".arrow.tmp")
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            _fsync_dir(path.parent.parent)
+        tmp = path.with_suffix(".arrow" + _TMP_SUFFIX)
         with open(tmp, "wb") as f:
             with pa.ipc.new_file(f, dataset.table.schema) as writer:
                 writer.write_table(dataset.table, max_chunksize=1 << 20)
@@ -214,7 +293,7 @@ class DatasetStore:
                 for d in datasets.values()
             },
         }
-        tmp = self.data_dir / (MANIFEST + ".tmp")
+        tmp = self.data_dir / (MANIFEST + _TMP_SUFFIX)
         with open(tmp, "w") as f:
             json.dump(body, f, indent=1, sort_keys=True)
             f.flush()
@@ -223,13 +302,20 @@ class DatasetStore:
         _fsync_dir(self.data_dir)
 
     def load_persisted(self) -> list[str]:
-        """Reload the datasets the manifest lists; returns the names of those skipped."""
-        if self.data_dir is None or not (self.data_dir / MANIFEST).exists():
+        """Reload the datasets the manifest lists; returns the names of those skipped.
+
+        Leftover temporary files are deleted first; after a readable manifest, so are
+        version files it does not name (left by a crash between the steps of a change).
+        """
+        if self.data_dir is None:
+            return []
+        self._remove_temporary_files()
+        if not (self.data_dir / MANIFEST).exists():
             return []
         try:
             manifest = json.loads((self.data_dir / MANIFEST).read_text())
             entries = dict(manifest["datasets"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OSError) as exc:
             log.error(
                 "manifest %s is unreadable (%s); starting with no datasets",
                 self.data_dir / MANIFEST,
@@ -239,20 +325,89 @@ class DatasetStore:
         skipped = []
         for name, entry in sorted(entries.items()):
             try:
-                with pa.memory_map(str(self.data_dir / entry["file"])) as source:
-                    table = pa.ipc.open_file(source).read_all()
-                if table.num_rows != entry["rows"]:
-                    raise ValueError(f"holds {table.num_rows} rows, manifest says {entry['rows']}")
-                built = self._build(name, int(entry["version"]), table)
-            except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
+                built = self._reload(name, entry)
+            except (
+                OSError,
+                ValueError,
+                KeyError,
+                TypeError,
+                ServiceError,
+                pa.ArrowException,
+            ) as exc:
                 log.error(
-                    "dataset %s: cannot reload %s (%s); skipped", name, entry.get("file"), exc
+                    "dataset %s: cannot reload %s (%s); skipped",
+                    name,
+                    entry.get("file") if isinstance(entry, dict) else entry,
+                    exc,
                 )
                 skipped.append(name)
+                self._set_aside(name, entry)
                 continue
             self._datasets[name] = built
             log.info("reloaded dataset %s version %d: %d rows", name, built.version, built.rows)
+        self._remove_unnamed_versions()
+        if self.host_bytes() > self._host_budget:
+            log.warning(
+                "reloaded datasets hold %d bytes, more than max_dataset_host_bytes=%d; "
+                "new uploads will be refused until some are dropped",
+                self.host_bytes(),
+                self._host_budget,
+            )
         return skipped
+
+    def _reload(self, name: str, entry: dict) -> DatasetVersion:
+        check_dataset_name(name)
+        version = int(entry["version"])
+        path = self._version_path(name, version)
+        if entry["file"] != str(path.relative_to(self._root)):
+            raise ValueError(f"manifest names {entry['file']!r}, expected {path.name!r}")
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        # A torn or flipped file may still parse: check every buffer before use.
+        table.validate(full=True)
+        if table.num_rows != entry["rows"]:
+            raise ValueError(f"holds {table.num_rows} rows, manifest says {entry['rows']}")
+        if table.schema.names[:3] != ["id", "lat", "lon"]:
+            raise ValueError(f"columns {table.schema.names[:3]} are not id, lat, lon")
+        return self._build(name, version, table)
+
+    @property
+    def _root(self) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir
+
+    def _dataset_dirs(self) -> list[Path]:
+        return [p for p in self._root.iterdir() if p.is_dir() and DATASET_NAME.match(p.name)]
+
+    def _remove_temporary_files(self) -> None:
+        leftovers = [self._root / (MANIFEST + _TMP_SUFFIX)]
+        for folder in self._dataset_dirs():
+            leftovers += [p for p in folder.iterdir() if p.name.endswith(".arrow" + _TMP_SUFFIX)]
+        for path in leftovers:
+            if path.exists():
+                log.warning("removing %s, left by an interrupted write", path)
+                _unlink(path)
+
+    def _remove_unnamed_versions(self) -> None:
+        named = {self._version_path(d.name, d.version) for d in self._datasets.values()}
+        for folder in self._dataset_dirs():
+            for path in folder.iterdir():
+                if _VERSION_FILE.match(path.name) and path not in named:
+                    log.info("removing %s, a version the manifest does not name", path)
+                    _unlink(path)
+            if not any(folder.iterdir()):
+                folder.rmdir()
+
+    def _set_aside(self, name: str, entry: object) -> None:
+        """Rename an unreadable version file ``*.corrupt``: kept for a look, never loaded."""
+        if not isinstance(entry, dict) or not DATASET_NAME.match(name):
+            return
+        try:
+            path = self._version_path(name, int(entry["version"]))
+            if path.exists():
+                os.replace(path, path.with_name(path.name + ".corrupt"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("dataset %s: cannot set its file aside (%s)", name, exc)
 
 
 def _append(old: pa.Table, new: pa.Table) -> pa.Table:
@@ -268,6 +423,23 @@ def _append(old: pa.Table, new: pa.Table) -> pa.Table:
 
 def _schema_text(schema: pa.Schema) -> str:
     return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
+
+
+@contextlib.contextmanager
+def _storage_errors(name: str) -> Iterator[None]:
+    """A failed write to the data directory as a status: a full disk is a limit."""
+    try:
+        yield
+    except OSError as exc:
+        log.error("dataset %s: cannot write to the data directory: %s", name, exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LimitExceeded(
+                f"the data directory is full ({exc.strerror}); nothing was changed; "
+                "free disk space or drop datasets"
+            ) from exc
+        raise ServiceError(
+            f"cannot write dataset {name!r} to the data directory ({exc}); nothing was changed"
+        ) from exc
 
 
 def _fsync_dir(path: Path) -> None:

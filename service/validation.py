@@ -89,6 +89,10 @@ def normalise_upload(
     """
     if table.num_rows == 0:
         raise InvalidInput("the upload holds no rows")
+    names = table.column_names
+    if len(set(names)) != len(names):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidInput(f"column names appear more than once: {', '.join(map(repr, repeated))}")
     lat_name = _pick(table, lat_column or "lat", "lat")
     lon_name = _pick(table, lon_column or "lon", "lon")
     id_name = id_column or "id"

@@ -14,6 +14,7 @@ than 1 mm, and distances within 1 mm of the reference's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -122,8 +123,13 @@ class PointIndex(ABC):
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-6,
+        should_stop: Callable[[], bool] | None = None,
     ) -> KMeansResult:
-        """Spherical k-means of the indexed points (see ``spherical_kmeans``)."""
+        """Spherical k-means of the indexed points (see ``spherical_kmeans``).
+
+        ``should_stop``, when given, is checked between Lloyd iterations; when it returns
+        True the engine raises ``spherical_kmeans.KMeansStopped``.
+        """
 
 
 class Engine(ABC):

@@ -10,10 +10,15 @@ host NumPy generator so that every engine draws the same centres from the same s
 Lloyd iterations stop after ``max_iter`` or when no centroid moves more than ``tol``
 radians. With ``n_init`` > 1, initialisation i uses the i-th child of
 ``SeedSequence(seed)`` and the lowest inertia wins (the first one on ties).
+
+Long runs can be stopped: ``should_stop`` (a callable returning True when the caller
+has gone, e.g. its deadline passed) is checked between Lloyd iterations and between
+k-means++ draws, and :class:`KMeansStopped` is raised when it says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +28,17 @@ from geonear.service.geometry import angle_between, unit_vectors_to_latlon
 
 #: Bound on the (rows x k) similarity block held at once, in elements.
 _BLOCK_ELEMENTS = 1 << 24
+
+ShouldStop = Callable[[], bool] | None
+
+
+class KMeansStopped(Exception):
+    """``should_stop`` returned True: the caller no longer wants the answer."""
+
+
+def _check(should_stop: ShouldStop) -> None:
+    if should_stop is not None and should_stop():
+        raise KMeansStopped("k-means was stopped: the call was cancelled or its deadline passed")
 
 
 def _assign(xyz: Any, centroids: Any, xp: Any) -> Any:
@@ -55,13 +71,22 @@ def _update(xyz: Any, labels: Any, weights: Any, centroids: Any, xp: Any) -> Any
     return xp.where(empty[:, None], centroids, new)
 
 
-def seed_kmeans_plus_plus(xyz: Any, k: int, weights: Any, rng: np.random.Generator, xp: Any) -> Any:
+def seed_kmeans_plus_plus(
+    xyz: Any,
+    k: int,
+    weights: Any,
+    rng: np.random.Generator,
+    xp: Any,
+    should_stop: ShouldStop = None,
+) -> Any:
     """k initial centroids (k, 3) drawn by k-means++ from ``rng`` (see the module docstring)."""
     n = xyz.shape[0]
     w = xp.ones(n, dtype=xp.float64) if weights is None else weights
     chosen = [_draw(xp.cumsum(w), rng, xp)]
     nearest_sq = angle_between(xyz, xyz[chosen[0]][None, :], xp=xp) ** 2
-    for _ in range(1, k):
+    for i in range(1, k):
+        if i % 16 == 0:  # each draw is one pass over the points; check now and then
+            _check(should_stop)
         mass = xp.cumsum(w * nearest_sq)
         # With fewer distinct points than clusters every distance is 0: draw by weight.
         idx = _draw(mass if float(mass[-1]) > 0.0 else xp.cumsum(w), rng, xp)
@@ -97,10 +122,12 @@ def lloyd(
     max_iter: int = 100,
     tol: float = 1e-6,
     xp: Any = np,
+    should_stop: ShouldStop = None,
 ) -> tuple[Any, Any, int]:
     """Lloyd iterations from given centroids (k, 3); returns (centroids, labels, n_iter)."""
     n_iter = 0
     for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
+        _check(should_stop)
         labels = _assign(xyz, centroids, xp)
         new = _update(xyz, labels, weights, centroids, xp)
         shift = float(xp.max(angle_between(centroids, new, xp=xp)))
@@ -121,10 +148,12 @@ def spherical_kmeans(
     tol: float = 1e-6,
     earth_radius_m: float,
     xp: Any = np,
+    should_stop: ShouldStop = None,
 ) -> KMeansResult:
     """Spherical k-means of unit vectors ``xyz`` (n, 3) in namespace ``xp``.
 
-    Returns host NumPy results; see the module docstring for the definition.
+    Returns host NumPy results; see the module docstring for the definition. Raises
+    KMeansStopped when ``should_stop`` returns True.
     """
     n = int(xyz.shape[0])
     if not 1 <= k <= n:
@@ -132,9 +161,9 @@ def spherical_kmeans(
     best: tuple[float, Any, Any, int] | None = None
     for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
         rng = np.random.default_rng(child)
-        start = seed_kmeans_plus_plus(xyz, k, weights, rng, xp)
+        start = seed_kmeans_plus_plus(xyz, k, weights, rng, xp, should_stop)
         centroids, labels, n_iter = lloyd(
-            xyz, start, weights=weights, max_iter=max_iter, tol=tol, xp=xp
+            xyz, start, weights=weights, max_iter=max_iter, tol=tol, xp=xp, should_stop=should_stop
         )
         inertia = _inertia_m2(xyz, labels, centroids, weights, earth_radius_m, xp)
         if best is None or inertia < best[0]:

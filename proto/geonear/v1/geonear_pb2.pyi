@@ -288,18 +288,24 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_k", "max_matrix_cells", "max_upload_rows", "max_message_bytes", "max_query_points")
+    __slots__ = ("max_k", "max_matrix_cells", "max_upload_rows", "max_message_bytes", "max_query_points", "max_concurrent_rpcs", "max_dataset_host_bytes", "max_dataset_device_bytes")
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_MATRIX_CELLS_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_QUERY_POINTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_RPCS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DATASET_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DATASET_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_k: int
     max_matrix_cells: int
     max_upload_rows: int
     max_message_bytes: int
     max_query_points: int
-    def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ...) -> None: ...
+    max_concurrent_rpcs: int
+    max_dataset_host_bytes: int
+    max_dataset_device_bytes: int
+    def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_dataset_host_bytes: _Optional[int] = ..., max_dataset_device_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes")
