@@ -151,7 +151,9 @@ class Batcher:
                         break
                     self._ready.wait(left)
             first = self._queue[0].group()
-            batch, rest, points = [], deque(), 0
+            batch: list[_Request] = []
+            rest: deque[_Request] = deque()
+            points = 0
             while self._queue:
                 request = self._queue.popleft()
                 fits = points + request.lat.shape[0] <= self.max_points
@@ -185,6 +187,7 @@ def _run_batch(batch: list[_Request]) -> None:
         lon = np.concatenate([r.lon for r in batch])
         starts = np.cumsum([0] + [r.lat.shape[0] for r in batch])
         split: Callable[[Any, _Request, int, int], Any]
+        found: Neighbours | RadiusNeighbours
         if batch[0].kind == "knn":
             found = batch[0].index.knn(lat, lon, max(r.k for r in batch), None)
             split = _split_knn
