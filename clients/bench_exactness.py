@@ -1,0 +1,177 @@
+"""Exactness of a bench answer against the float64 reference, one check per operation.
+
+Each check takes the engine's answer and the reference (computed by ``bench`` on the
+first ``ref_queries`` queries) and returns ``(metrics, exact)``: a dict for the JSON and
+a verdict (None where exactness does not apply). The rule is DESIGN.md's: the same rows
+in the same order, except among neighbours whose distances differ by less than 1 mm, and
+distances within 1 mm. An engine's distances are never trusted to judge its own rows:
+every returned row is re-measured with the reference formula, so an engine that returns
+wrong rows with plausible distances is still caught.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from geonear.service.engines.base import KMeansResult, Neighbours, RadiusNeighbours
+from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m
+
+#: The exactness rule's tolerance, metres.
+TIE_M = 1e-3
+#: What float32 matrices are held to: their precision allows about 2-3 m at long range.
+FLOAT32_MATRIX_TOLERANCE_M = 5.0
+#: k-means answers whose inertia differs from the cpu engine's by more than this fail.
+KMEANS_INERTIA_RTOL = 1e-6
+
+
+def _true_distances(q_lat: np.ndarray, q_lon: np.ndarray, rows: np.ndarray, data: Any) -> Any:
+    """Reference metres from each query to the row an engine returned; inf for a bad row."""
+    n = data.lat.shape[0]
+    valid = (rows >= 0) & (rows < n)
+    safe = np.where(valid, rows, 0)
+    dist = great_circle_m(q_lat, q_lon, data.lat[safe], data.lon[safe], EARTH_RADIUS_M)
+    return np.where(valid, dist, np.inf)
+
+
+def _first_occurrence(rows: np.ndarray) -> np.ndarray:
+    """Per (n, k) row, True where an id appears for the first time (duplicates are wrong)."""
+    first = np.ones(rows.shape, dtype=bool)
+    for j in range(1, rows.shape[1]):
+        first[:, j] = ~(rows[:, :j] == rows[:, j : j + 1]).any(axis=1)
+    return first
+
+
+def _max_error(*gaps: np.ndarray) -> float:
+    finite = [g[np.isfinite(g)] for g in gaps]
+    values = [float(g.max()) for g in finite if g.size]
+    return max(values, default=0.0)
+
+
+def knn_exactness(out: Neighbours, ref: Neighbours, *, data: Any, **_: Any) -> tuple[dict, bool]:
+    """Recall, order agreement and distance error of a KNN answer."""
+    r = min(ref.indices.shape[0], out.indices.shape[0])
+    got_i, got_d = np.asarray(out.indices[:r], np.int64), np.asarray(out.distances_m[:r], float)
+    ref_i, ref_d = ref.indices[:r], ref.distances_m[:r]
+    q_lat, q_lon = data.q_lat[:r, None], data.q_lon[:r, None]
+    true_d = _true_distances(q_lat, q_lon, got_i, data)
+    ref_valid, got_valid = ref_i >= 0, got_i >= 0
+    # A returned row is right if the reference has it, or if it is as near as the
+    # reference's k-th neighbour (a tie the reference broke differently).
+    kth = np.where(np.isfinite(ref_d), ref_d, -np.inf).max(axis=1, initial=-np.inf)
+    member = ((got_i[:, :, None] == ref_i[:, None, :]) & ref_valid[:, None, :]).any(axis=2)
+    right = (member | (true_d <= kth[:, None] + TIE_M)) & _first_occurrence(got_i) & got_valid
+    n_ref = int(ref_valid.sum())
+    hits = np.minimum(right.sum(axis=1), ref_valid.sum(axis=1)).sum()
+    recall = float(hits / n_ref) if n_ref else 1.0
+    wrong = int((got_valid & ~right).sum())
+    kk = min(got_i.shape[1], ref_i.shape[1])
+    with np.errstate(invalid="ignore"):  # inf - inf where both are missing
+        same = (got_i[:, :kk] == ref_i[:, :kk]) | (
+            np.abs(true_d[:, :kk] - ref_d[:, :kk]) <= TIE_M
+        )
+        rank_gap = np.abs(got_d[:, :kk] - ref_d[:, :kk])
+    order = float(same.sum() / ref_i.size) if ref_i.size else 1.0
+    max_error_m = _max_error(np.abs(got_d - true_d)[got_valid], rank_gap)
+    metrics = {"queries_checked": r, "recall": recall, "order_agreement": order,
+               "wrong_rows": wrong, "max_distance_error_m": max_error_m}
+    exact = (out.indices.shape[1] == ref.indices.shape[1] and recall == 1.0 and order == 1.0
+             and wrong == 0 and max_error_m <= TIE_M)
+    return metrics, bool(exact)
+
+
+def _first_queries(res: RadiusNeighbours, r: int) -> tuple[np.ndarray, ...]:
+    """(query_index, rank, rows, distances_m) of the results of the first r queries."""
+    offsets = np.asarray(res.offsets[: r + 1], np.int64)
+    end = int(offsets[-1])
+    query = np.repeat(np.arange(r, dtype=np.int64), np.diff(offsets))
+    rank = np.arange(end, dtype=np.int64) - offsets[query]
+    return query, rank, np.asarray(res.indices[:end], np.int64), np.asarray(
+        res.distances_m[:end], float
+    )
+
+
+def radius_exactness(
+    out: RadiusNeighbours, ref: RadiusNeighbours, *, data: Any, config: Any, **_: Any
+) -> tuple[dict, bool]:
+    """Recall, wrong rows, order agreement and distance error of a radius answer."""
+    r = min(ref.offsets.shape[0], out.offsets.shape[0]) - 1
+    n = data.lat.shape[0]
+    rq, rrank, ri, rd = _first_queries(ref, r)
+    gq, grank, gi, gd = _first_queries(out, r)
+    true_d = _true_distances(data.q_lat[gq], data.q_lon[gq], gi, data)
+    ref_keys, got_keys = rq * n + ri, gq * n + np.clip(gi, 0, n - 1)
+    found = np.isin(ref_keys, got_keys[np.isfinite(true_d)])
+    # Points within 1 mm of the boundary may fall either side of it.
+    on_boundary = rd >= config.radius_m - TIE_M
+    recall = float((found | on_boundary).sum() / rd.size) if rd.size else 1.0
+    unique = np.zeros(gi.shape, dtype=bool)
+    unique[np.unique(got_keys, return_index=True)[1]] = True
+    outside = ~np.isin(got_keys, ref_keys) & ~(true_d <= config.radius_m + TIE_M)
+    wrong = int((outside | ~unique).sum())
+    # Order: the entry at the same (query, rank) names the same row, or one as far away.
+    width = int(max(rrank.max(initial=0), grank.max(initial=0))) + 1
+    ref_pos, got_pos = rq * width + rrank, gq * width + grank
+    at = np.clip(np.searchsorted(got_pos, ref_pos), 0, max(0, got_pos.size - 1))
+    matched = (got_pos[at] == ref_pos) if got_pos.size else np.zeros(ref_pos.shape, bool)
+    same = matched & ((gi[at] == ri) | (np.abs(true_d[at] - rd) <= TIE_M)) if gi.size else matched
+    order = float(same.sum() / rd.size) if rd.size else 1.0
+    rank_gap = np.abs(gd[at] - rd)[matched] if gi.size else np.zeros(0)
+    max_error_m = _max_error(np.abs(gd - true_d), rank_gap)
+    metrics = {"queries_checked": r, "recall": recall, "order_agreement": order,
+               "wrong_rows": wrong, "max_distance_error_m": max_error_m,
+               "mean_neighbours": float(rd.size / r) if r else 0.0}
+    exact = recall == 1.0 and order == 1.0 and wrong == 0 and max_error_m <= TIE_M
+    return metrics, bool(exact)
+
+
+def matrix_exactness(
+    out: np.ndarray, ref: np.ndarray, *, config: Any, **_: Any
+) -> tuple[dict, bool]:
+    """Largest absolute error, metres, of the first reference rows of a distance matrix."""
+    r = min(ref.shape[0], out.shape[0])
+    tolerance = TIE_M if config.dtype == "float64" else FLOAT32_MATRIX_TOLERANCE_M
+    if out.shape[1:] != ref.shape[1:]:
+        return {"rows_checked": r, "max_abs_error_m": float("inf"),
+                "tolerance_m": tolerance}, False
+    error = np.abs(np.asarray(out[:r], dtype=np.float64) - ref[:r])
+    max_error_m = float(np.nanmax(error, initial=0.0)) if not np.isnan(error).any() else np.inf
+    metrics = {"rows_checked": r, "max_abs_error_m": max_error_m, "tolerance_m": tolerance}
+    return metrics, bool(max_error_m <= tolerance)
+
+
+def kmeans_exactness(
+    out: KMeansResult | dict, ref: KMeansResult, *, engine: Any, **_: Any
+) -> tuple[dict, bool | None]:
+    """Inertia and labels of a k-means answer against the cpu engine's, from the same seed."""
+    if isinstance(out, dict):  # the scikit-learn baseline: Euclidean, not expected to match
+        labels, inertia, n_iter = out["labels"], out["inertia_m2"], out["n_iter"]
+    else:
+        labels, inertia, n_iter = out.labels, out.inertia_m2, out.n_iter
+    metrics = {
+        "inertia_m2": float(inertia),
+        "inertia_rel_diff": abs(float(inertia) - ref.inertia_m2) / max(ref.inertia_m2, 1e-300),
+        "label_agreement": float(np.mean(np.asarray(labels) == ref.labels)),
+        "n_iter": int(n_iter),
+        "reference_n_iter": int(ref.n_iter),
+    }
+    if isinstance(out, dict):
+        return metrics, None
+    return metrics, bool(metrics["inertia_rel_diff"] <= KMEANS_INERTIA_RTOL)
+
+
+def build_metrics(out: Any, ref: Any, *, index: Any, **_: Any) -> tuple[dict, None]:
+    """Memory held by a built index (exactness does not apply to a build)."""
+    return {"host_mib": index.host_bytes / 2**20,
+            "device_mib": getattr(index, "device_bytes", 0) / 2**20}, None
+
+
+#: The check of each operation.
+EXACTNESS = {
+    "knn": knn_exactness,
+    "radius": radius_exactness,
+    "matrix": matrix_exactness,
+    "kmeans": kmeans_exactness,
+    "build": build_metrics,
+}

@@ -1,0 +1,225 @@
+"""What ``geonear bench`` writes: the results document, the terminal table, markdown.
+
+Document layout (``format`` is :data:`FORMAT`)::
+
+    {"format": "geonear-bench/1", "created_unix_s": ..., "command": "geonear bench ...",
+     "machine": {"platform", "processor", "cpus", "memory_gib", "gpus"},
+     "versions": {"python", "geonear", "numpy", "scipy", "scikit-learn", "cupy", "cuml"},
+     "config": {...}, "data": {"description", "n_points", "n_queries", "ref_queries"},
+     "throughput_unit": "queries/s",
+     "results": [{"engine", "status", "reason", "device", "build_s", "cold_s",
+                  "warm_min_s", "warm_median_s", "repeats", "queries_run", "scale",
+                  "throughput", "speedup_vs_sklearn", "speedup_vs_cpu",
+                  "exactness": {...}, "exact", "notes"}]}
+
+Times are seconds; a version is null where the package is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+FORMAT = "geonear-bench/1"
+
+#: Exactness columns per op: (heading, key in ``exactness``, format).
+_EXACTNESS_COLUMNS: dict[str, list[tuple[str, str, str]]] = {
+    "knn": [("recall", "recall", "{:.4f}"), ("order", "order_agreement", "{:.4f}"),
+            ("max err m", "max_distance_error_m", "{:.2g}")],
+    "radius": [("recall", "recall", "{:.4f}"), ("order", "order_agreement", "{:.4f}"),
+               ("max err m", "max_distance_error_m", "{:.2g}")],
+    "matrix": [("max err m", "max_abs_error_m", "{:.2g}")],
+    "kmeans": [("iters", "n_iter", "{}"), ("inertia Δ", "inertia_rel_diff", "{:.2g}"),
+               ("labels =", "label_agreement", "{:.4f}")],
+    "build": [("host MiB", "host_mib", "{:,.1f}"), ("device MiB", "device_mib", "{:,.1f}")],
+}
+
+
+def _version(*distributions: str) -> str | None:
+    """Installed version of the first of ``distributions`` present (read without importing)."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    cuda = ("13x", "12x", "11x")
+    return {
+        "python": platform.python_version(),
+        "geonear": _version("geonear"),
+        "numpy": _version("numpy"),
+        "scipy": _version("scipy"),
+        "scikit-learn": _version("scikit-learn"),
+        "cupy": _version("cupy", *(f"cupy-cuda{c}" for c in cuda)),
+        "cuml": _version("cuml", "cuml-cu13", "cuml-cu12"),
+    }
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def machine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The host of the run; GPUs as described by the GPU engines that ran."""
+    gpus = sorted({r["device"] for r in results if r["status"] == "ok"
+                   and r["device"] and not r["device"].startswith("cpu")})
+    memory = _memory_gib()
+    return {"platform": platform.platform(), "processor": _processor(), "cpus": os.cpu_count(),
+            "memory_gib": None if memory is None else round(memory, 1), "gpus": gpus}
+
+
+def results_document(**parts: Any) -> dict[str, Any]:
+    return {"format": FORMAT, "created_unix_s": time.time(), "command": parts.pop("command"),
+            "machine": machine(parts["results"]), "versions": versions(), **parts}
+
+
+def write_json(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    # Infinite errors (a missing row) are written as null: JSON has no infinity.
+    Path(path).write_text(json.dumps(_finite(doc), indent=1) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3g}" if value >= 0.001 else f"{value:.2e}"
+
+
+def _rate(value: float | None) -> str:
+    if value is None:
+        return ""
+    for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _speedup(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}x"
+
+
+def _headings(doc: dict[str, Any]) -> list[str]:
+    unit = doc["throughput_unit"]
+    columns = _EXACTNESS_COLUMNS[doc["config"]["op"]]
+    return ["engine", "build s", "cold s", "warm min s", "warm med s", unit,
+            "vs sklearn", "vs cpu", *(c[0] for c in columns), "exact", "note"]
+
+
+def _cells(doc: dict[str, Any], row: dict[str, Any]) -> list[str]:
+    columns = _EXACTNESS_COLUMNS[doc["config"]["op"]]
+    if row["status"] != "ok":
+        blank = [""] * (len(_headings(doc)) - 2)
+        return [row["engine"], *blank, f"{row['status']}: {row['reason']}"]
+    exactness = row["exactness"]
+    checks = []
+    for _, key, fmt in columns:
+        value = exactness.get(key)
+        checks.append("" if value is None else fmt.format(value))
+    exact = {True: "yes", False: "NO", None: "n/a"}[row["exact"]]
+    return [row["engine"], _seconds(row["build_s"]), _seconds(row["cold_s"]),
+            _seconds(row["warm_min_s"]), _seconds(row["warm_median_s"]), _rate(row["throughput"]),
+            _speedup(row["speedup_vs_sklearn"]), _speedup(row["speedup_vs_cpu"]), *checks, exact,
+            "; ".join(row["notes"])]
+
+
+def _notes(doc: dict[str, Any]) -> list[str]:
+    """Notes on the whole table (each row's own notes are in its last column)."""
+    notes = []
+    data = doc["data"]
+    if doc["config"]["op"] in ("knn", "radius", "matrix"):
+        notes.append(f"exactness checked on the first {data['ref_queries']:,} queries against "
+                     "the float64 reference (numpy-brute's great-circle formula)")
+    if doc["config"]["op"] == "kmeans":
+        notes.append("every row starts from the same k-means++ centres; inertia Δ and labels "
+                     "are against the cpu engine; sklearn-kmeans is Euclidean KMeans(n_init=1) "
+                     "on unit vectors, timed with the seeding")
+    return notes
+
+
+def title(doc: dict[str, Any]) -> str:
+    c, d = doc["config"], doc["data"]
+    parts = [c["op"], d["description"], f"{d['n_points']:,} points"]
+    if c["op"] in ("knn", "radius", "matrix"):
+        parts.append(f"{d['n_queries']:,} queries")
+    if c["op"] in ("knn", "kmeans"):
+        parts.append(f"k={c['k']}")
+    if c["op"] == "radius":
+        parts.append(f"radius {c['radius_m']:g} m")
+    if c["op"] == "matrix":
+        parts.append(c["dtype"])
+    return " · ".join(parts)
+
+
+def print_table(doc: dict[str, Any], console: Any) -> None:
+    """The results as a rich table, inexact engines in red, then the notes."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title(doc), title_justify="left")
+    headings = _headings(doc)
+    for i, heading in enumerate(headings):
+        last = i == len(headings) - 1
+        table.add_column(heading, justify="left" if i == 0 or last else "right",
+                         no_wrap=not last, overflow="fold")
+    for row in doc["results"]:
+        style = "red" if row["exact"] is False else ("dim" if row["status"] != "ok" else None)
+        # Text, not markup: reasons hold brackets such as "geonear[gpu]".
+        table.add_row(*(Text(cell) for cell in _cells(doc, row)), style=style)
+    console.print(table)
+    for note in _notes(doc):
+        console.print(f"  {note}", highlight=False, markup=False)
+
+
+def _machine_line(doc: dict[str, Any]) -> str:
+    m, v = doc["machine"], doc["versions"]
+    memory = "" if m["memory_gib"] is None else f", {m['memory_gib']:g} GiB"
+    gpus = f"; GPU: {', '.join(m['gpus'])}" if m["gpus"] else ""
+    installed = ", ".join(f"{k} {val}" for k, val in v.items() if val is not None)
+    return f"{m['processor']}, {m['cpus']} cores{memory}{gpus}; {m['platform']}; {installed}"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """A section for docs/benchmarks.md: the title, the command, the machine and the table."""
+    headings = _headings(doc)
+    when = time.strftime("%Y-%m-%d", time.gmtime(doc["created_unix_s"]))
+    lines = [f"### {title(doc)}", "", "```", doc["command"], "```", "",
+             f"Machine ({when}): {_machine_line(doc)}", "",
+             "| " + " | ".join(headings) + " |",
+             "|" + "|".join(["---", *["---:"] * (len(headings) - 1)]) + "|"]
+    for row in doc["results"]:
+        lines.append("| " + " | ".join(_cells(doc, row)) + " |")
+    lines.append("")
+    lines.extend(f"- {note}" for note in _notes(doc))
+    return "\n".join(lines) + "\n\n"
