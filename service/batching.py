@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -186,20 +185,20 @@ def _run_batch(batch: list[_Request]) -> None:
         lat = np.concatenate([r.lat for r in batch])
         lon = np.concatenate([r.lon for r in batch])
         starts = np.cumsum([0] + [r.lat.shape[0] for r in batch])
-        split: Callable[[Any, _Request, int, int], Any]
-        found: Neighbours | RadiusNeighbours
+        spans = list(zip(batch, starts[:-1].tolist(), starts[1:].tolist(), strict=True))
+        results: list[Neighbours] | list[RadiusNeighbours]
         if batch[0].kind == "knn":
-            found = batch[0].index.knn(lat, lon, max(r.k for r in batch), None)
-            split = _split_knn
+            knn = batch[0].index.knn(lat, lon, max(r.k for r in batch), None)
+            results = [_split_knn(knn, r, a, b) for r, a, b in spans]
         else:
-            found = batch[0].index.radius(lat, lon, batch[0].radius_m)
-            split = _split_radius
+            radius = batch[0].index.radius(lat, lon, batch[0].radius_m)
+            results = [_split_radius(radius, r, a, b) for r, a, b in spans]
     except BaseException as exc:  # every caller hears of the failure
         for r in batch:
             r.future.set_exception(exc)
         return
-    for r, start, stop in zip(batch, starts[:-1], starts[1:], strict=True):
-        r.future.set_result(split(found, r, int(start), int(stop)))
+    for r, result in zip(batch, results, strict=True):
+        r.future.set_result(result)
 
 
 def _split_knn(found: Neighbours, request: _Request, start: int, stop: int) -> Neighbours:
