@@ -79,7 +79,9 @@ class BenchConfig:
     ``n`` is the number of dataset points (matrix columns); ``queries`` the number of
     query points (matrix rows). ``k`` is neighbours for knn and clusters for kmeans.
     ``ref_queries`` bounds the queries checked against the float64 reference (default:
-    as many as fit in ``REFERENCE_PAIRS`` pairs, at least 10).
+    as many as fit in ``REFERENCE_PAIRS`` pairs, at least 10); ``brute_pairs`` is the
+    (query, point) pair budget of one timed call of a brute-force engine (default: its
+    entry in ``BRUTE_PAIRS``).
     """
 
     op: str = "knn"
@@ -96,6 +98,7 @@ class BenchConfig:
     max_iter: int = 20
     tol: float = 0.0
     ref_queries: int | None = None
+    brute_pairs: float | None = None
 
     def __post_init__(self) -> None:
         for name, value, choices in (
@@ -112,6 +115,8 @@ class BenchConfig:
             raise ValueError(f"radius_m must be positive, got {self.radius_m}")
         if self.ref_queries is not None and self.ref_queries < 1:
             raise ValueError(f"ref_queries must be at least 1, got {self.ref_queries}")
+        if self.brute_pairs is not None and self.brute_pairs < 1:
+            raise ValueError(f"brute_pairs must be at least 1, got {self.brute_pairs}")
         if not self.engines:
             raise ValueError("engines must name at least one engine")
 
@@ -132,6 +137,8 @@ class BenchConfig:
             words += ["--max-iter", str(self.max_iter), "--tol", f"{self.tol:g}"]
         if self.ref_queries is not None:
             words += ["--ref-queries", str(self.ref_queries)]
+        if self.brute_pairs is not None:
+            words += ["--brute-pairs", f"{self.brute_pairs:g}"]
         words += ["--engines", ",".join(self.engines), "--seed", str(self.seed)]
         words += ["--repeat", str(self.repeat)]
         return shlex.join(words)
@@ -181,8 +188,13 @@ def make_data(config: BenchConfig) -> BenchData:
         # One draw split in two, so clustered queries fall in the same clusters.
         draw = uniform_points if config.data == "uniform" else clustered_points
         lat, lon = draw(config.n + n_q, seed=config.seed)
-        return BenchData(lat[: config.n], lon[: config.n], lat[config.n :], lon[config.n :],
-                         f"{config.data}, seed {config.seed}")
+        return BenchData(
+            lat[: config.n],
+            lon[: config.n],
+            lat[config.n :],
+            lon[config.n :],
+            f"{config.data}, seed {config.seed}",
+        )
     from geonear.loaders.bundled import load_bundled
 
     table = load_bundled(config.data)
@@ -194,8 +206,9 @@ def make_data(config: BenchConfig) -> BenchData:
     near = rng.integers(0, lat.shape[0], n_q)
     q_lat = np.clip(lat[near] + rng.normal(0.0, _QUERY_JITTER_DEG, n_q), -90.0, 90.0)
     q_lon = (lon[near] + rng.normal(0.0, _QUERY_JITTER_DEG, n_q) + 180.0) % 360.0 - 180.0
-    return BenchData(lat, lon, q_lat, q_lon,
-                     f"{config.data} ({lat.shape[0]:,} of {all_lat.shape[0]:,} points)")
+    return BenchData(
+        lat, lon, q_lat, q_lon, f"{config.data} ({lat.shape[0]:,} of {all_lat.shape[0]:,} points)"
+    )
 
 
 def reference_queries(config: BenchConfig, n_points: int, n_queries: int) -> int:
@@ -243,8 +256,14 @@ class SklearnKMeansBaseline:
         # The same generator and seeding code as spherical_kmeans' first initialisation.
         rng = np.random.default_rng(np.random.SeedSequence(config.seed).spawn(1)[0])
         start = seed_kmeans_plus_plus(xyz, config.k, None, rng, np)
-        model = KMeans(config.k, init=start, n_init=1, max_iter=config.max_iter,
-                       tol=config.tol, algorithm="lloyd").fit(xyz)
+        model = KMeans(
+            config.k,
+            init=start,
+            n_init=1,
+            max_iter=config.max_iter,
+            tol=config.tol,
+            algorithm="lloyd",
+        ).fit(xyz)
         centres = model.cluster_centers_ / np.linalg.norm(model.cluster_centers_, axis=1)[:, None]
         angle = angle_between(xyz, centres[model.labels_])
         inertia = float(((self.earth_radius_m * angle) ** 2).sum())
@@ -271,7 +290,8 @@ def _subset_size(name: str, config: BenchConfig, n_points: int, n_queries: int) 
     """Queries (matrix rows) an engine runs: all, or what fits a brute-force pair budget."""
     if name not in BRUTE_PAIRS or config.op not in ("knn", "radius", "matrix"):
         return n_queries
-    return max(1, min(n_queries, int(BRUTE_PAIRS[name] // max(1, n_points))))
+    budget = config.brute_pairs or BRUTE_PAIRS[name]
+    return max(1, min(n_queries, int(budget // max(1, n_points))))
 
 
 def _operation(
@@ -288,8 +308,9 @@ def _operation(
     if config.op == "kmeans":
         if isinstance(engine, SklearnKMeansBaseline):
             return lambda: engine.kmeans(index, config)
-        return lambda: index.kmeans(config.k, seed=config.seed, max_iter=config.max_iter,
-                                    tol=config.tol)
+        return lambda: index.kmeans(
+            config.k, seed=config.seed, max_iter=config.max_iter, tol=config.tol
+        )
     return lambda: engine.build_index(data.lat, data.lon)
 
 
@@ -317,8 +338,9 @@ def bench_engine(
         row.queries_run = m
         row.scale = n_queries / m
         if m < n_queries:
-            row.notes.append(f"timed on {m:,} of {n_queries:,} queries, times scaled "
-                             f"x{row.scale:,.0f}")
+            row.notes.append(
+                f"timed on {m:,} of {n_queries:,} queries, times scaled x{row.scale:,.0f}"
+            )
     warm_up = getattr(engine, "warm_up", None)
     if warm_up is not None:
         row.warm_up_s, _ = _timed(sync, warm_up)
@@ -337,8 +359,9 @@ def bench_engine(
     row.warm_min_s = min(warm) * row.scale
     row.warm_median_s = statistics.median(warm) * row.scale
     check = EXACTNESS[config.op]
-    row.exactness, row.exact = check(out, reference, data=data, config=config, engine=engine,
-                                     index=index)
+    row.exactness, row.exact = check(
+        out, reference, data=data, config=config, engine=engine, index=index
+    )
     return row
 
 
@@ -353,8 +376,9 @@ def compute_reference(config: BenchConfig, data: BenchData) -> Any:
     if config.op == "matrix":
         from geonear.service.geometry import great_circle_m
 
-        return great_circle_m(data.q_lat[:r, None], data.q_lon[:r, None],
-                              data.lat[None, :], data.lon[None, :])
+        return great_circle_m(
+            data.q_lat[:r, None], data.q_lon[:r, None], data.lat[None, :], data.lon[None, :]
+        )
     if config.op == "kmeans":
         index = create_engine("cpu").build_index(data.lat, data.lon)
         return index.kmeans(config.k, seed=config.seed, max_iter=config.max_iter, tol=config.tol)
@@ -369,8 +393,9 @@ def _engine_list(config: BenchConfig, extra: Mapping[str, Any]) -> list[str]:
     known = {*engine_names(), *DEFAULT_ENGINES, SKLEARN_KMEANS, *extra}
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}"
+        )
     return names
 
 
@@ -413,8 +438,7 @@ def run_benchmark(
             engine = _resolve_engine(name, config, extra)
             row = bench_engine(name, engine, config, data, reference)
         except (EngineUnavailable, NotImplementedError) as exc:
-            row = EngineResult(engine=name, status="skipped",
-                               reason=str(exc) or type(exc).__name__)
+            row = EngineResult(engine=name, status="skipped", reason=str(exc) or type(exc).__name__)
         except Exception as exc:  # one failing engine must not hide the others' results
             row = EngineResult(engine=name, status="error", reason=f"{type(exc).__name__}: {exc}")
         else:
@@ -425,9 +449,12 @@ def run_benchmark(
     return bench_report.results_document(
         config=asdict(config),
         command=config.command(),
-        data={"description": data.description, "n_points": int(data.lat.shape[0]),
-              "n_queries": int(data.q_lat.shape[0]),
-              "ref_queries": reference_queries(config, data.lat.shape[0], data.q_lat.shape[0])},
+        data={
+            "description": data.description,
+            "n_points": int(data.lat.shape[0]),
+            "n_queries": int(data.q_lat.shape[0]),
+            "ref_queries": reference_queries(config, data.lat.shape[0], data.q_lat.shape[0]),
+        },
         throughput_unit=WORK_UNITS[config.op],
         results=[asdict(r) for r in rows],
     )
@@ -451,30 +478,54 @@ def _engine_names_arg(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``geonear bench`` on ``parser``."""
     d = BenchConfig()
-    parser.description = ("Run engines side by side in one process on the same data: time, "
-                          "throughput, speed-up and exactness against the float64 reference.")
+    parser.description = (
+        "Run engines side by side in one process on the same data: time, "
+        "throughput, speed-up and exactness against the float64 reference."
+    )
     parser.add_argument("--op", choices=OPS, default=d.op)
     parser.add_argument("--n", type=int, default=d.n, help="dataset points (matrix columns)")
-    parser.add_argument("--queries", type=int, default=d.queries,
-                        help="query points (matrix rows)")
+    parser.add_argument("--queries", type=int, default=d.queries, help="query points (matrix rows)")
     parser.add_argument("-k", type=int, default=d.k, help="neighbours (knn) or clusters (kmeans)")
     parser.add_argument("--radius-m", type=float, default=d.radius_m)
     parser.add_argument("--max-distance-m", type=float, default=None, help="knn distance bound")
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="matrix precision")
-    parser.add_argument("--engines", type=_engine_names_arg, default=d.engines,
-                        help=f"comma-separated (default {','.join(d.engines)}; "
-                             f"{SKLEARN_KMEANS} is added for --op kmeans)")
+    parser.add_argument(
+        "--engines",
+        type=_engine_names_arg,
+        default=d.engines,
+        help=f"comma-separated (default {','.join(d.engines)}; "
+        f"{SKLEARN_KMEANS} is added for --op kmeans)",
+    )
     parser.add_argument("--data", choices=DATA_KINDS, default=d.data)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--repeat", type=int, default=d.repeat, help="warm calls per engine")
     parser.add_argument("--max-iter", type=int, default=d.max_iter, help="k-means iterations")
-    parser.add_argument("--tol", type=float, default=d.tol,
-                        help="k-means tolerance, radians (0: run every iteration)")
-    parser.add_argument("--ref-queries", type=int, default=None,
-                        help="queries checked against the float64 reference (default: auto)")
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=d.tol,
+        help="k-means tolerance, radians (0: run every iteration)",
+    )
+    parser.add_argument(
+        "--ref-queries",
+        type=int,
+        default=None,
+        help="queries checked against the float64 reference (default: auto)",
+    )
+    parser.add_argument(
+        "--brute-pairs",
+        type=float,
+        default=None,
+        help="(query, point) pairs per timed call of a brute-force engine (default: per engine)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results document here")
-    parser.add_argument("--markdown", nargs="?", const="-", metavar="PATH",
-                        help="print a docs/benchmarks.md section, or append it to PATH")
+    parser.add_argument(
+        "--markdown",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print a docs/benchmarks.md section, or append it to PATH",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
