@@ -43,10 +43,12 @@ _ENGINES: dict[str, str] = {
     "sklearn": "geonear.service.engines.sklearn_balltree:SklearnEngine",
     "cpu": "geonear.service.engines.cpu:CPUEngine",
     "gpu": "geonear.service.engines.gpu:GPUEngine",
+    "cuml": "geonear.service.engines.cuml_engines:CumlEngine",
+    "cupy-broadcast": "geonear.service.engines.cuml_engines:CupyBroadcastEngine",
 }
 
 #: Engines that need a working CUDA device.
-GPU_ENGINES = frozenset({"gpu"})
+GPU_ENGINES = frozenset({"gpu", "cuml", "cupy-broadcast"})
 
 
 class EngineUnavailable(RuntimeError):

@@ -1,0 +1,628 @@
+"""The GPU engine: an exact spatial index, fused distance kernels and k-means in CuPy.
+
+Index (built once per dataset version, ``GPUIndex``):
+
+- float64 unit vectors of the points, in row order (``xyz``, (n, 3)): the exact data;
+- the same points sorted by a 63-bit Morton key of their unit vector, as float32
+  ``(x, y, z, row)`` (``points``, (n, 4));
+- an implicit tree over the sorted points: leaves of ``leaf_size`` consecutive points and
+  nodes of ``FANOUT`` children, each with the float32 bounding box of its points.
+
+Building is one sort of the keys plus a few passes over the points. Leaves hold a fixed
+number of points, not a fixed volume, so the tree adapts to density: a city of a million
+points and an empty ocean cost the same number of levels (clustered data is where a
+uniform grid fails). About 42 bytes of device memory per point, index included.
+
+Queries (one CUDA thread each, sorted by the same key so that a warp walks one region):
+
+- KNN: depth-first search, nearest child first, the k best kept sorted in registers,
+  for k up to ``MAX_TREE_K``; above it, brute force over sorted float64 distances.
+- Radius: the same search with a fixed bound, counting first, then writing each query's
+  neighbours into its slot and sorting them.
+
+Search is float32 and decisions are float64: boxes and a first test of each point use
+float32 with a margin far above its rounding, and a point that passes is measured again
+in float64 and ranked by (squared chord, row), so answers equal the float64 reference
+(DESIGN.md). Returned distances are float64 great-circle metres (atan2 form).
+
+Distance matrices are one fused kernel (float32 or float64); k-means assigns and
+accumulates in one kernel per iteration with deterministic fixed-point sums, seeded by
+the shared k-means++ of ``spherical_kmeans`` so that CPU and GPU start alike.
+
+This module imports CuPy: the engine registry imports it only when the GPU engine is
+asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import cupy as cp
+import cupyx
+import numpy as np
+
+from geonear.service.engines import gpu_memory
+from geonear.service.engines.base import (
+    Engine,
+    KMeansResult,
+    MatrixDtype,
+    Neighbours,
+    PointIndex,
+    RadiusNeighbours,
+)
+from geonear.service.engines.gpu_kernels import SOURCE
+from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
+from geonear.service.geometry import (
+    EARTH_RADIUS_M,
+    angle_between,
+    chord_for_distance,
+    unit_vectors_to_latlon,
+)
+
+#: Points per leaf of the index.
+LEAF_SIZE = 16
+#: Children per node; fixed at compile time in the kernels.
+FANOUT = 8
+#: k values with a compiled register top-k; a query's k runs in the smallest that fits.
+REGISTER_K = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TREE_K = REGISTER_K[-1]
+#: Fewer queries than this are searched in the order given (sorting would cost more).
+SORT_QUERIES_FROM = 2048
+#: Radius answers of at most this many neighbours per query are sorted by the kernel.
+RADIUS_SORT_LIMIT = 128
+#: Depth limit of the kernels' traversal stack (STACK = 128 entries, 7 per level).
+_MAX_LEVELS = 17
+#: Relative slack on chord bounds in metres: far above float64 rounding, far below 1 mm.
+_CHORD_SLACK = 1e-9
+#: Bound on one brute-force block (queries x points) and one matrix tile, elements.
+_BLOCK_ELEMENTS = 1 << 26
+_MATRIX_TILE_BYTES = 1 << 30
+_THREADS = 128
+_MATRIX_ROWS = 16  # rows per block of the matrix kernel (MATRIX_ROWS in the source)
+
+_NAMES = [f"knn<{k}>" for k in REGISTER_K] + [
+    "distance_matrix<float>",
+    "distance_matrix<double>",
+]
+_module: Any = None
+_module_lock = threading.Lock()
+
+
+def _kernels() -> Any:
+    """The compiled kernel module (compiled once per process, cached on disk by CuPy)."""
+    global _module
+    with _module_lock:
+        if _module is None:
+            module = cp.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=_NAMES)
+            module.compile()
+            _module = module
+        return _module
+
+
+def _fn(name: str) -> Any:
+    return _kernels().get_function(name)
+
+
+def _blocks(n: int, threads: int = _THREADS) -> int:
+    return max(1, (n + threads - 1) // threads)
+
+
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+def _to_host(a: cp.ndarray) -> np.ndarray:
+    """Copy a device array to page-locked host memory (about twice the pageable rate)."""
+    out = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+    a.get(out=out)
+    return out
+
+
+def unit_vectors_device(
+    lat: np.ndarray, lon: np.ndarray, with_keys: bool = False
+) -> tuple[cp.ndarray, cp.ndarray | None]:
+    """Float64 unit vectors (n, 3) on the device of points in degrees, and their keys.
+
+    Parameters
+    ----------
+    lat, lon : array of float64, shape (n,)
+        Degrees, host or device.
+    with_keys : bool
+        Also return the uint64 Morton keys (n,) that order the index.
+    """
+    lat_d = cp.ascontiguousarray(cp.asarray(lat, dtype=cp.float64))
+    lon_d = cp.ascontiguousarray(cp.asarray(lon, dtype=cp.float64))
+    n = int(lat_d.shape[0])
+    xyz = cp.empty((n, 3), dtype=cp.float64)
+    keys = cp.empty(n, dtype=cp.uint64) if with_keys else None
+    if n:
+        _fn("unit_vectors_and_keys")(
+            (_blocks(n),),
+            (_THREADS,),
+            (lat_d, lon_d, np.int64(n), xyz, _NULL if keys is None else keys),
+        )
+    return xyz, keys
+
+
+class _Queries:
+    """Query unit vectors in search order: sorted by key when there are many."""
+
+    def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
+        n = int(np.shape(lat)[0])
+        self.n = n
+        self.xyz, keys = unit_vectors_device(lat, lon, with_keys=n >= SORT_QUERIES_FROM)
+        if keys is None:
+            self.order = cp.arange(n, dtype=cp.int64)
+            self.sorted_xyz = self.xyz
+        else:
+            self.order = cp.argsort(keys)
+            self.sorted_xyz = cp.ascontiguousarray(self.xyz[self.order])
+
+
+def _chord_sq_bound(distance_m: float, earth_radius_m: float) -> float:
+    chord = chord_for_distance(distance_m, earth_radius_m)
+    return (chord * (1 + _CHORD_SLACK) + _CHORD_SLACK) ** 2
+
+
+class GPUIndex(PointIndex):
+    """A dataset version's points and spatial index on the device (see the module doc)."""
+
+    def __init__(
+        self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float, leaf_size: int = LEAF_SIZE
+    ) -> None:
+        self.earth_radius_m = float(earth_radius_m)
+        self.leaf_size = int(leaf_size)
+        n = int(np.shape(lat)[0])
+        if n >= 2**31:
+            raise ValueError(f"the GPU index holds at most 2**31 - 1 points, got {n}")
+        self.n_points = n
+        self.xyz, keys = unit_vectors_device(lat, lon, with_keys=True)
+        self.points = cp.empty((n, 4), dtype=cp.float32)
+        counts = [max(1, -(-n // self.leaf_size))]
+        while counts[-1] > 1:
+            counts.append(-(-counts[-1] // FANOUT))
+        if len(counts) > _MAX_LEVELS:
+            raise ValueError(f"leaf_size {leaf_size} gives a tree too deep for {n} points")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        total = int(sum(counts))
+        self.box_lo = cp.empty((total, 4), dtype=cp.float32)
+        self.box_hi = cp.empty((total, 4), dtype=cp.float32)
+        self.level_count = cp.asarray(np.asarray(counts, dtype=np.int64))
+        self.level_start = cp.asarray(starts)
+        self.top_level = len(counts) - 1
+        if n == 0:
+            return
+        order = cp.argsort(keys)
+        del keys
+        _fn("pack_points")((_blocks(n),), (_THREADS,), (self.xyz, order, np.int64(n), self.points))
+        del order
+        _fn("leaf_boxes")(
+            (_blocks(counts[0]),),
+            (_THREADS,),
+            (
+                self.points,
+                np.int64(n),
+                np.int32(self.leaf_size),
+                np.int64(counts[0]),
+                self.box_lo,
+                self.box_hi,
+            ),
+        )
+        for level in range(1, len(counts)):
+            below = slice(int(starts[level - 1]), int(starts[level - 1] + counts[level - 1]))
+            here = slice(int(starts[level]), int(starts[level] + counts[level]))
+            _fn("node_boxes")(
+                (_blocks(counts[level]),),
+                (_THREADS,),
+                (
+                    self.box_lo[below],
+                    self.box_hi[below],
+                    np.int64(counts[level - 1]),
+                    np.int64(counts[level]),
+                    self.box_lo[here],
+                    self.box_hi[here],
+                ),
+            )
+
+    @property
+    def host_bytes(self) -> int:
+        return 0
+
+    @property
+    def device_bytes(self) -> int:
+        arrays = (self.xyz, self.points, self.box_lo, self.box_hi)
+        return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1))
+
+    def _tree_args(self) -> tuple[Any, ...]:
+        return (
+            self.points,
+            self.xyz,
+            self.box_lo,
+            self.box_hi,
+            self.level_start,
+            self.level_count,
+            np.int32(self.top_level),
+            np.int32(self.leaf_size),
+            np.int64(self.n_points),
+        )
+
+    # -- KNN -------------------------------------------------------------------------
+    @gpu_memory.out_of_memory_guard("a KNN query")
+    def knn(
+        self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None = None
+    ) -> Neighbours:
+        n_q, kk = int(np.shape(lat)[0]), min(int(k), self.n_points)
+        if kk <= 0 or n_q == 0 or (max_distance_m is not None and max_distance_m < 0):
+            return Neighbours(np.full((n_q, max(kk, 0)), np.inf), np.full((n_q, max(kk, 0)), -1))
+        dist, idx = self.knn_device(_Queries(lat, lon), kk, max_distance_m)
+        return Neighbours(distances_m=_to_host(dist), indices=_to_host(idx))
+
+    def knn_device(
+        self, queries: _Queries, k: int, max_distance_m: float | None
+    ) -> tuple[cp.ndarray, cp.ndarray]:
+        """(distances_m, rows), each (n_queries, k), on the device; 1 <= k <= n_points."""
+        bounded = max_distance_m is not None and max_distance_m < math.pi * self.earth_radius_m
+        if k > MAX_TREE_K:
+            return self._knn_brute(queries, k, max_distance_m if bounded else None)
+        register_k = next(r for r in REGISTER_K if r >= k)
+        bound_sq = _chord_sq_bound(max_distance_m, self.earth_radius_m) if bounded else math.inf
+        out_idx = cp.empty((queries.n, k), dtype=cp.int64)
+        out_dist = cp.empty((queries.n, k), dtype=cp.float64)
+        _fn(f"knn<{register_k}>")(
+            (_blocks(queries.n),),
+            (_THREADS,),
+            (
+                *self._tree_args(),
+                queries.sorted_xyz,
+                queries.order,
+                np.int64(queries.n),
+                np.int32(k),
+                np.float64(bound_sq),
+                np.float64(max_distance_m if bounded else -1.0),
+                np.float64(self.earth_radius_m),
+                out_idx,
+                out_dist,
+            ),
+        )
+        return out_dist, out_idx
+
+    def _knn_brute(
+        self, queries: _Queries, k: int, max_distance_m: float | None
+    ) -> tuple[cp.ndarray, cp.ndarray]:
+        # Large k: float64 distances in blocks, sorted per row (CuPy's sort is stable,
+        # so equal distances keep row order).
+        out_idx = cp.empty((queries.n, k), dtype=cp.int64)
+        out_dist = cp.empty((queries.n, k), dtype=cp.float64)
+        step = max(1, _BLOCK_ELEMENTS // self.n_points)
+        for start in range(0, queries.n, step):
+            stop = min(queries.n, start + step)
+            d = _matrix_device(queries.xyz[start:stop], self.xyz, self.earth_radius_m)
+            order = cp.argsort(d, axis=1)[:, :k]
+            dist = cp.take_along_axis(d, order, axis=1)
+            if max_distance_m is not None:
+                far = dist > max_distance_m
+                dist[far] = cp.inf
+                order[far] = -1
+            out_dist[start:stop], out_idx[start:stop] = dist, order
+        return out_dist, out_idx
+
+    # -- radius ----------------------------------------------------------------------
+    @gpu_memory.out_of_memory_guard("a radius query")
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        n_q = int(np.shape(lat)[0])
+        if n_q == 0 or self.n_points == 0 or radius_m < 0:
+            return RadiusNeighbours(
+                offsets=np.zeros(n_q + 1, dtype=np.int64),
+                indices=np.empty(0, dtype=np.int64),
+                distances_m=np.empty(0),
+            )
+        offsets, idx, dist = self.radius_device(_Queries(lat, lon), float(radius_m))
+        return RadiusNeighbours(
+            offsets=_to_host(offsets), indices=_to_host(idx), distances_m=_to_host(dist)
+        )
+
+    def radius_device(
+        self, queries: _Queries, radius_m: float
+    ) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        """(offsets (n_queries + 1,), rows, distances_m) on the device, nearest first."""
+        if radius_m >= math.pi * self.earth_radius_m:
+            thr, inner_sq, outer_sq = np.float32(np.inf), 5.0, 5.0  # every chord^2 is <= 4
+        else:
+            chord = chord_for_distance(radius_m, self.earth_radius_m)
+            margin = chord * (1 + 1e-5) + 2e-6  # the kernels' float32 margin
+            thr = np.float32(margin * margin)
+            inner_sq = chord * chord * (1 - _CHORD_SLACK)
+            outer_sq = chord * chord * (1 + _CHORD_SLACK) + 1e-30
+        counts = cp.empty(queries.n, dtype=cp.int64)
+        head = (
+            *self._tree_args(),
+            queries.sorted_xyz,
+            queries.order,
+            np.int64(queries.n),
+            thr,
+            np.float64(inner_sq),
+            np.float64(outer_sq),
+            np.float64(radius_m),
+            np.float64(self.earth_radius_m),
+            counts,
+        )
+        search = _fn("radius_search")
+        grid, block = (_blocks(queries.n),), (_THREADS,)
+        search(grid, block, (*head, _NULL, _NULL, _NULL, np.int32(RADIUS_SORT_LIMIT)))
+        offsets = cp.zeros(queries.n + 1, dtype=cp.int64)
+        cp.cumsum(counts, out=offsets[1:])
+        total = int(offsets[-1])
+        idx = cp.empty(total, dtype=cp.int64)
+        dist = cp.empty(total, dtype=cp.float64)
+        search(grid, block, (*head, offsets, idx, dist, np.int32(RADIUS_SORT_LIMIT)))
+        long_queries = cp.flatnonzero(counts > RADIUS_SORT_LIMIT)
+        if long_queries.size:
+            _sort_segments(offsets, counts, long_queries, idx, dist)
+        return offsets, idx, dist
+
+    # -- k-means ---------------------------------------------------------------------
+    @gpu_memory.out_of_memory_guard("k-means")
+    def kmeans(
+        self,
+        k: int,
+        *,
+        weights: np.ndarray | None = None,
+        seed: int = 0,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+    ) -> KMeansResult:
+        n = self.n_points
+        if not 1 <= k <= n:
+            raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
+        w = None if weights is None else cp.asarray(weights, dtype=cp.float64)
+        best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
+        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
+            rng = np.random.default_rng(child)
+            start = seed_kmeans_plus_plus(self.xyz, k, w, rng, cp)
+            centroids, n_iter = self.lloyd(start, weights=w, max_iter=max_iter, tol=tol)
+            labels, inertia = self.assign(centroids, weights=w)
+            if best is None or inertia < best[0]:
+                best = (inertia, centroids, labels, n_iter)
+        assert best is not None
+        inertia, centroids, labels, n_iter = best
+        lat, lon = unit_vectors_to_latlon(centroids, xp=cp)
+        return KMeansResult(
+            centroid_lat=cp.asnumpy(lat),
+            centroid_lon=cp.asnumpy(lon),
+            sizes=cp.asnumpy(cp.bincount(labels, minlength=k)).astype(np.int64),
+            labels=_to_host(labels),
+            inertia_m2=inertia,
+            n_iter=n_iter,
+        )
+
+    def lloyd(
+        self,
+        centroids: cp.ndarray,
+        *,
+        weights: cp.ndarray | None = None,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+    ) -> tuple[cp.ndarray, int]:
+        """Lloyd iterations from centroids (k, 3) float64; returns (centroids, n_iter).
+
+        Same rule as ``spherical_kmeans.lloyd``: stop after ``max_iter`` or once no
+        centroid moves more than ``tol`` radians; empty clusters keep their centroid.
+        """
+        n, k = self.n_points, int(centroids.shape[0])
+        centroids = cp.ascontiguousarray(centroids, dtype=cp.float64)
+        total_weight = float(n) if weights is None else float(cp.abs(weights).sum())
+        # Fixed point: the sum of all |w x| times scale stays below 2**62.
+        scale = 2.0 ** (61 - max(0, math.ceil(math.log2(max(total_weight, 1.0)))))
+        use_shared = 3 * k * 8 <= 48 * 1024
+        shared = 3 * k * 8 if use_shared else 0
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        grid = min(_blocks(n, 256), sms * 8)
+        sums = cp.empty((k, 3), dtype=cp.uint64)
+        step = _fn("kmeans_assign_accumulate")
+        n_iter = 0
+        for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
+            sums.fill(0)
+            step(
+                (grid,),
+                (256,),
+                (
+                    self.xyz,
+                    _NULL if weights is None else weights,
+                    np.int64(n),
+                    centroids,
+                    np.int32(k),
+                    np.float64(scale),
+                    np.int32(use_shared),
+                    sums,
+                ),
+                shared_mem=shared,
+            )
+            total = sums.view(cp.int64).astype(cp.float64) / scale
+            norms = cp.sqrt((total * total).sum(axis=1))
+            empty = norms == 0
+            new = total / cp.where(empty, 1.0, norms)[:, None]
+            new = cp.where(empty[:, None], centroids, new)
+            shift = float(cp.max(angle_between(centroids, new, xp=cp)))
+            centroids = new
+            if shift <= tol:
+                break
+        return centroids, n_iter
+
+    def assign(
+        self, centroids: cp.ndarray, *, weights: cp.ndarray | None = None
+    ) -> tuple[cp.ndarray, float]:
+        """(labels int32 (n,), inertia m^2) of every point against centroids (k, 3)."""
+        n, k = self.n_points, int(centroids.shape[0])
+        labels = cp.empty(n, dtype=cp.int32)
+        sq = cp.empty(n, dtype=cp.float64)
+        _fn("kmeans_labels")(
+            (_blocks(n, 256),),
+            (256,),
+            (
+                self.xyz,
+                _NULL if weights is None else weights,
+                np.int64(n),
+                cp.ascontiguousarray(centroids, dtype=cp.float64),
+                np.int32(k),
+                np.float64(self.earth_radius_m),
+                labels,
+                sq,
+            ),
+        )
+        return labels, float(sq.sum())
+
+
+def _sort_segments(
+    offsets: cp.ndarray, counts: cp.ndarray, long: cp.ndarray, idx: cp.ndarray, dist: cp.ndarray
+) -> None:
+    """Sort the radius segments of queries ``long`` in place by (distance, row)."""
+    sizes = counts[long]
+    first = cp.zeros(long.size, dtype=cp.int64)
+    cp.cumsum(sizes[:-1], out=first[1:])
+    n = int(sizes.sum())
+    segment = cp.zeros(n, dtype=cp.int64)
+    segment[first[1:]] = 1
+    segment = cp.cumsum(segment)
+    pos = offsets[long][segment] + cp.arange(n, dtype=cp.int64) - first[segment]
+    d, r = dist[pos], idx[pos]
+    order = cp.lexsort(cp.stack([r.astype(cp.float64), d, segment.astype(cp.float64)]))
+    dist[pos] = d[order]
+    idx[pos] = r[order]
+
+
+def _matrix_device(
+    a: cp.ndarray, b: cp.ndarray, earth_radius_m: float, out: cp.ndarray | None = None
+) -> cp.ndarray:
+    """Great-circle metres (m, n) between unit vectors a (m, 3) and b (n, 3) (same dtype)."""
+    m, n = int(a.shape[0]), int(b.shape[0])
+    dtype = a.dtype
+    if out is None:
+        out = cp.empty((m, n), dtype=dtype)
+    if m == 0 or n == 0:
+        return out
+    fn = _fn("distance_matrix<float>" if dtype == cp.float32 else "distance_matrix<double>")
+    radius = dtype.type(earth_radius_m)
+    rows_per_launch = 65535 * _MATRIX_ROWS
+    for row0 in range(0, m, rows_per_launch):
+        rows = min(rows_per_launch, m - row0)
+        view = out[row0 : row0 + rows]
+        fn(
+            (_blocks(n, 256), -(-rows // _MATRIX_ROWS)),
+            (256,),
+            (a, b, np.int64(m), np.int64(n), np.int64(row0), radius, view),
+        )
+    return out
+
+
+class GPUEngine(Engine):
+    """The GPU spatial index for KNN and radius, fused kernels for matrices and k-means.
+
+    Parameters
+    ----------
+    earth_radius_m : float
+        Sphere radius, metres.
+    pool_size_bytes : int, optional
+        Device memory pool reserved at first use (``gpu_memory.initialise_pool``); the
+        pool is per process, so only the first engine's setting counts.
+    managed_memory : bool
+        Managed (unified) memory pool for sets larger than the card; off by default.
+    leaf_size : int
+        Points per leaf of the index.
+    """
+
+    name = "gpu"
+    device_kind = "gpu"
+
+    def __init__(
+        self,
+        earth_radius_m: float = EARTH_RADIUS_M,
+        *,
+        pool_size_bytes: int | None = None,
+        managed_memory: bool = False,
+        leaf_size: int = LEAF_SIZE,
+    ) -> None:
+        super().__init__(earth_radius_m)
+        if leaf_size < 1:
+            raise ValueError(f"leaf_size must be at least 1, got {leaf_size}")
+        self.leaf_size = leaf_size
+        self.pool = gpu_memory.initialise_pool(pool_size_bytes, managed_memory=managed_memory)
+
+    @gpu_memory.out_of_memory_guard("building a dataset's GPU index")
+    def build_index(self, lat: np.ndarray, lon: np.ndarray) -> GPUIndex:
+        _kernels()  # compiled here at the latest, never by a query
+        return GPUIndex(lat, lon, self.earth_radius_m, self.leaf_size)
+
+    @gpu_memory.out_of_memory_guard("a distance matrix")
+    def distance_matrix(
+        self,
+        lat1: np.ndarray,
+        lon1: np.ndarray,
+        lat2: np.ndarray,
+        lon2: np.ndarray,
+        dtype: MatrixDtype = "float64",
+    ) -> np.ndarray:
+        np_dtype = np.dtype(dtype)
+        m, n = int(np.shape(lat1)[0]), int(np.shape(lat2)[0])
+        out = np.empty((m, n), dtype=np_dtype)
+        if m == 0 or n == 0:
+            return out
+        a = unit_vectors_device(lat1, lon1)[0].astype(np_dtype, copy=False)
+        b = unit_vectors_device(lat2, lon2)[0].astype(np_dtype, copy=False)
+        step = max(1, _MATRIX_TILE_BYTES // (n * np_dtype.itemsize))
+        tile = cp.empty((min(step, m), n), dtype=np_dtype)
+        for start in range(0, m, step):
+            stop = min(m, start + step)
+            part = _matrix_device(a[start:stop], b, self.earth_radius_m, out=tile[: stop - start])
+            part.get(out=out[start:stop])
+        return out
+
+    def distance_matrix_device(
+        self,
+        lat1: np.ndarray,
+        lon1: np.ndarray,
+        lat2: np.ndarray,
+        lon2: np.ndarray,
+        dtype: MatrixDtype = "float64",
+    ) -> cp.ndarray:
+        """The whole matrix (m, n) kept on the device, for callers that reduce it there.
+
+        float32 carries up to about 3 m of error at long range (its own precision);
+        float64 is exact to the reference's 1 mm.
+        """
+        np_dtype = np.dtype(dtype)
+        a = unit_vectors_device(lat1, lon1)[0].astype(np_dtype, copy=False)
+        b = unit_vectors_device(lat2, lon2)[0].astype(np_dtype, copy=False)
+        return _matrix_device(a, b, self.earth_radius_m)
+
+    def warm_up(self) -> None:
+        """Compile every kernel and run each once, with the CuPy routines they use."""
+        lat = np.linspace(-89.0, 89.0, 4 * SORT_QUERIES_FROM)
+        lon = np.linspace(-179.0, 179.0, lat.shape[0])
+        index = self.build_index(lat, lon)
+        for k in REGISTER_K:
+            index.knn(lat[: SORT_QUERIES_FROM + 1], lon[: SORT_QUERIES_FROM + 1], k)
+        index.knn(lat[:3], lon[:3], 10, max_distance_m=1000.0)
+        index.knn(lat[:3], lon[:3], MAX_TREE_K + 1)
+        index.radius(lat[: SORT_QUERIES_FROM + 1], lon[: SORT_QUERIES_FROM + 1], 50_000.0)
+        index.radius(lat[:2], lon[:2], 1e9)  # long segments: the device sort
+        index.kmeans(4, max_iter=2)
+        index.kmeans(4, weights=np.ones(lat.shape[0]), max_iter=2)
+        for dtype in ("float32", "float64"):
+            self.distance_matrix(lat[:5], lon[:5], lat[:7], lon[:7], dtype=dtype)  # type: ignore[arg-type]
+        cp.cuda.Device().synchronize()
+
+    def memory_pool_bytes(self) -> tuple[int, int]:
+        return gpu_memory.pool_bytes()
+
+    def describe_device(self) -> str:
+        device = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(device.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        _, total = gpu_memory.device_memory()
+        major, minor = device.compute_capability[0], device.compute_capability[1:]
+        return (
+            f"gpu: {name}, {total / 2**30:.0f} GiB, compute {major}.{minor}, "
+            f"{props['multiProcessorCount']} SMs; {self.pool.describe()}"
+        )

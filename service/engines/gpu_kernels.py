@@ -1,0 +1,476 @@
+"""CUDA source of the GPU engine's kernels, compiled by CuPy (see ``gpu.py``).
+
+Kept apart from the Python so each reads on its own; nothing here imports CuPy.
+"""
+
+SOURCE = r"""
+// CUDA kernels of the GPU engine (compiled by CuPy's RawModule; see gpu.py).
+//
+// The spatial index: 3-D unit vectors sorted by a 63-bit Morton key, cut into leaves of
+// `leaf_size` consecutive points, with an implicit tree of FANOUT-ary nodes above the
+// leaves; every node stores the float32 bounding box of its points. Because leaves hold
+// a fixed number of points, not a fixed volume, the tree is as deep where points are
+// dense as where they are sparse: the density adaptivity that clustered data needs.
+//
+// Search runs in float32 (boxes and a first filter of points) and decides in float64:
+// a point that passes the float32 filter is measured again from its float64 unit vector
+// and ranked by (float64 squared chord, row). The float32 thresholds carry a margin
+// far above float32 rounding, so the float32 stage never drops a true answer.
+
+#define FANOUT 8
+#define STACK 128
+#define INF_F __int_as_float(0x7f800000)
+#define INF_D __longlong_as_double(0x7ff0000000000000LL)
+
+// Relative and absolute (chord units) margins of the float32 stage: float32 unit
+// vectors are off by <= 1e-7 per component, float32 arithmetic by a few ulps.
+#define MARGIN_REL 1e-5
+#define MARGIN_ABS 2e-6
+
+__device__ __forceinline__ float box_dist2(float qx, float qy, float qz, float4 lo, float4 hi) {
+    float dx = fmaxf(fmaxf(lo.x - qx, qx - hi.x), 0.f);
+    float dy = fmaxf(fmaxf(lo.y - qy, qy - hi.y), 0.f);
+    float dz = fmaxf(fmaxf(lo.z - qz, qz - hi.z), 0.f);
+    return dx * dx + dy * dy + dz * dz;
+}
+
+// float32 squared-chord threshold that admits every point whose float64 squared chord
+// is at most `w`.
+__device__ __forceinline__ float prune_threshold(double w) {
+    if (!(w < 4.0)) return INF_F;
+    double c = sqrt(w) * (1.0 + MARGIN_REL) + MARGIN_ABS;
+    return (float)(c * c);
+}
+
+// Great-circle metres between unit vectors (the atan2 form, exact at every separation).
+__device__ __forceinline__ double metres(double ax, double ay, double az, double bx,
+                                         double by, double bz, double radius) {
+    double cx = ay * bz - az * by;
+    double cy = az * bx - ax * bz;
+    double cz = ax * by - ay * bx;
+    double dot = ax * bx + ay * by + az * bz;
+    return radius * atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
+}
+
+__device__ __forceinline__ bool less_key(double d, int r, double bd, int br) {
+    return d < bd || (d == bd && r < br);
+}
+
+// Children of an internal node: float32 box distances, sorted ascending (with their
+// child numbers) by a 19-comparator network.
+#define CSWAP(a, b)                                                  \
+    if (cd[b] < cd[a]) {                                             \
+        float td = cd[a]; cd[a] = cd[b]; cd[b] = td;                 \
+        int tn = cn[a]; cn[a] = cn[b]; cn[b] = tn;                   \
+    }
+
+__device__ __forceinline__ void sort8(float* cd, int* cn) {
+    CSWAP(0, 1) CSWAP(2, 3) CSWAP(4, 5) CSWAP(6, 7)
+    CSWAP(0, 2) CSWAP(1, 3) CSWAP(4, 6) CSWAP(5, 7)
+    CSWAP(1, 2) CSWAP(5, 6) CSWAP(0, 4) CSWAP(3, 7)
+    CSWAP(1, 5) CSWAP(2, 6) CSWAP(1, 4) CSWAP(3, 6)
+    CSWAP(2, 4) CSWAP(3, 5) CSWAP(3, 4)
+}
+
+// ---------------------------------------------------------------------------------
+// Index build
+// ---------------------------------------------------------------------------------
+
+// Spread the low 21 bits of v so that two zero bits follow each.
+__device__ __forceinline__ unsigned long long spread3(unsigned long long v) {
+    v &= 0x1fffffULL;
+    v = (v | (v << 32)) & 0x1f00000000ffffULL;
+    v = (v | (v << 16)) & 0x1f0000ff0000ffULL;
+    v = (v | (v << 8)) & 0x100f00f00f00f00fULL;
+    v = (v | (v << 4)) & 0x10c30c30c30c30c3ULL;
+    v = (v | (v << 2)) & 0x1249249249249249ULL;
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long quantise(double c) {
+    double t = (c + 1.0) * 0.5 * 2097152.0;
+    t = fmin(fmax(t, 0.0), 2097151.0);
+    return (unsigned long long)t;
+}
+
+// Unit vectors (n, 3) float64 and their Morton keys, from degrees.
+extern "C" __global__ void unit_vectors_and_keys(const double* __restrict__ lat,
+                                                 const double* __restrict__ lon, long long n,
+                                                 double* __restrict__ xyz,
+                                                 unsigned long long* __restrict__ keys) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const double to_rad = 3.141592653589793 / 180.0;
+    double la = lat[i] * to_rad, lo = lon[i] * to_rad;
+    double cl = cos(la);
+    double x = cl * cos(lo), y = cl * sin(lo), z = sin(la);
+    xyz[3 * i] = x;
+    xyz[3 * i + 1] = y;
+    xyz[3 * i + 2] = z;
+    if (keys != nullptr) {
+        keys[i] = spread3(quantise(x)) << 2 | spread3(quantise(y)) << 1 | spread3(quantise(z));
+    }
+}
+
+// Points in key order as float4 (x, y, z, row as int bits), float32.
+extern "C" __global__ void pack_points(const double* __restrict__ xyz,
+                                       const long long* __restrict__ order, long long n,
+                                       float4* __restrict__ pts) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long long r = order[i];
+    pts[i] = make_float4((float)xyz[3 * r], (float)xyz[3 * r + 1], (float)xyz[3 * r + 2],
+                         __int_as_float((int)r));
+}
+
+// Boxes of the leaves: leaf j holds points [j * leaf_size, min(n, (j + 1) * leaf_size)).
+extern "C" __global__ void leaf_boxes(const float4* __restrict__ pts, long long n,
+                                      int leaf_size, long long n_leaves,
+                                      float4* __restrict__ lo, float4* __restrict__ hi) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n_leaves) return;
+    long long s = j * leaf_size, e = min(n, s + leaf_size);
+    float4 a = make_float4(INF_F, INF_F, INF_F, 0.f), b = make_float4(-INF_F, -INF_F, -INF_F, 0.f);
+    for (long long i = s; i < e; ++i) {
+        float4 p = pts[i];
+        a.x = fminf(a.x, p.x); a.y = fminf(a.y, p.y); a.z = fminf(a.z, p.z);
+        b.x = fmaxf(b.x, p.x); b.y = fmaxf(b.y, p.y); b.z = fmaxf(b.z, p.z);
+    }
+    lo[j] = a;
+    hi[j] = b;
+}
+
+// Boxes of one level from the level below (children [i * FANOUT, (i + 1) * FANOUT)).
+extern "C" __global__ void node_boxes(const float4* __restrict__ child_lo,
+                                      const float4* __restrict__ child_hi, long long n_children,
+                                      long long n_nodes, float4* __restrict__ lo,
+                                      float4* __restrict__ hi) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n_nodes) return;
+    long long s = j * FANOUT, e = min(n_children, s + FANOUT);
+    float4 a = child_lo[s], b = child_hi[s];
+    for (long long c = s + 1; c < e; ++c) {
+        float4 l = child_lo[c], h = child_hi[c];
+        a.x = fminf(a.x, l.x); a.y = fminf(a.y, l.y); a.z = fminf(a.z, l.z);
+        b.x = fmaxf(b.x, h.x); b.y = fmaxf(b.y, h.y); b.z = fmaxf(b.z, h.z);
+    }
+    lo[j] = a;
+    hi[j] = b;
+}
+
+// ---------------------------------------------------------------------------------
+// KNN: one thread per query (queries sorted by key so a warp walks one region), the
+// k best kept sorted in registers, depth-first traversal nearest child first.
+// ---------------------------------------------------------------------------------
+template <int K>
+__global__ void knn(const float4* __restrict__ pts, const double* __restrict__ xyz64,
+                    const float4* __restrict__ lo, const float4* __restrict__ hi,
+                    const long long* __restrict__ level_start,
+                    const long long* __restrict__ level_count, int top_level, int leaf_size,
+                    long long n_points, const double* __restrict__ q64,
+                    const long long* __restrict__ q_order, long long n_queries, int k,
+                    double bound_sq, double max_m, double radius,
+                    long long* __restrict__ out_idx, double* __restrict__ out_dist) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n_queries) return;
+    const long long qi = q_order[t];
+    const double qx = q64[3 * t], qy = q64[3 * t + 1], qz = q64[3 * t + 2];
+    const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
+    const bool has_max = max_m >= 0.0;
+
+    // Slots [0, K - k) hold -inf sentinels, so the worst of the k best is always bd[K-1].
+    double bd[K];
+    int bi[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        bool pad = j < K - k;
+        bd[j] = pad ? -INF_D : INF_D;
+        bi[j] = pad ? -2 : -1;
+    }
+    float thr = prune_threshold(fmin(bd[K - 1], bound_sq));
+
+    int st_node[STACK];
+    unsigned char st_level[STACK];
+    float st_d[STACK];
+    int sp = 0;
+    st_node[0] = 0;
+    st_level[0] = (unsigned char)top_level;
+    st_d[0] = 0.f;
+    sp = 1;
+    while (sp > 0) {
+        --sp;
+        if (st_d[sp] > thr) continue;
+        const int level = st_level[sp];
+        const long long node = st_node[sp];
+        if (level == 0) {
+            long long s = node * leaf_size, e = min(n_points, s + leaf_size);
+            for (long long i = s; i < e; ++i) {
+                float4 p = pts[i];
+                float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
+                float d2 = dx * dx + dy * dy + dz * dz;
+                if (d2 > thr) continue;
+                int row = __float_as_int(p.w);
+                double ex = qx - xyz64[3 * (long long)row];
+                double ey = qy - xyz64[3 * (long long)row + 1];
+                double ez = qz - xyz64[3 * (long long)row + 2];
+                double e2 = ex * ex + ey * ey + ez * ez;
+                if (!less_key(e2, row, bd[K - 1], bi[K - 1]) || e2 > bound_sq) continue;
+                if (has_max) {
+                    double m = metres(qx, qy, qz, xyz64[3 * (long long)row],
+                                      xyz64[3 * (long long)row + 1],
+                                      xyz64[3 * (long long)row + 2], radius);
+                    if (m > max_m) continue;
+                }
+                bool placed = false;
+#pragma unroll
+                for (int j = K - 1; j > 0; --j) {
+                    if (!placed) {
+                        if (less_key(e2, row, bd[j - 1], bi[j - 1])) {
+                            bd[j] = bd[j - 1];
+                            bi[j] = bi[j - 1];
+                        } else {
+                            bd[j] = e2;
+                            bi[j] = row;
+                            placed = true;
+                        }
+                    }
+                }
+                if (!placed) {
+                    bd[0] = e2;
+                    bi[0] = row;
+                }
+                thr = prune_threshold(fmin(bd[K - 1], bound_sq));
+            }
+        } else {
+            const int cl = level - 1;
+            const long long base = level_start[cl], count = level_count[cl];
+            const long long c0 = node * FANOUT;
+            float cd[FANOUT];
+            int cn[FANOUT];
+#pragma unroll
+            for (int j = 0; j < FANOUT; ++j) {
+                long long c = c0 + j;
+                cd[j] = c < count ? box_dist2(fx, fy, fz, lo[base + c], hi[base + c]) : INF_F;
+                cn[j] = (int)c;
+            }
+            sort8(cd, cn);
+            // Farthest first onto the stack, so the nearest child is searched next.
+#pragma unroll
+            for (int j = FANOUT - 1; j >= 0; --j) {
+                if (cd[j] <= thr) {
+                    st_node[sp] = cn[j];
+                    st_level[sp] = (unsigned char)cl;
+                    st_d[sp] = cd[j];
+                    ++sp;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        if (j >= K - k) {
+            long long o = qi * k + (j - (K - k));
+            int row = bi[j];
+            if (row >= 0) {
+                out_idx[o] = row;
+                out_dist[o] = metres(qx, qy, qz, xyz64[3 * (long long)row],
+                                     xyz64[3 * (long long)row + 1],
+                                     xyz64[3 * (long long)row + 2], radius);
+            } else {
+                out_idx[o] = -1;
+                out_dist[o] = INF_D;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Radius: the same traversal with a fixed threshold. Pass 1 (out_idx == nullptr)
+// counts, pass 2 writes each query's rows and metres at offsets[query] and sorts
+// segments of at most sort_limit entries by (metres, row) in place.
+// ---------------------------------------------------------------------------------
+extern "C" __global__ void radius_search(
+    const float4* __restrict__ pts, const double* __restrict__ xyz64,
+    const float4* __restrict__ lo, const float4* __restrict__ hi,
+    const long long* __restrict__ level_start, const long long* __restrict__ level_count,
+    int top_level, int leaf_size, long long n_points, const double* __restrict__ q64,
+    const long long* __restrict__ q_order, long long n_queries, float thr, double inner_sq,
+    double outer_sq, double radius_m, double radius, long long* __restrict__ counts,
+    const long long* __restrict__ offsets, long long* __restrict__ out_idx,
+    double* __restrict__ out_dist, int sort_limit) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n_queries) return;
+    const long long qi = q_order[t];
+    const double qx = q64[3 * t], qy = q64[3 * t + 1], qz = q64[3 * t + 2];
+    const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
+    const bool write = out_idx != nullptr;
+    const long long first = write ? offsets[qi] : 0;
+    long long found = 0;
+
+    int st_node[STACK];
+    unsigned char st_level[STACK];
+    int sp = 1;
+    st_node[0] = 0;
+    st_level[0] = (unsigned char)top_level;
+    while (sp > 0) {
+        --sp;
+        const int level = st_level[sp];
+        const long long node = st_node[sp];
+        if (level == 0) {
+            long long s = node * leaf_size, e = min(n_points, s + leaf_size);
+            for (long long i = s; i < e; ++i) {
+                float4 p = pts[i];
+                float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
+                if (dx * dx + dy * dy + dz * dz > thr) continue;
+                long long row = __float_as_int(p.w);
+                double px = xyz64[3 * row], py = xyz64[3 * row + 1], pz = xyz64[3 * row + 2];
+                double ex = qx - px, ey = qy - py, ez = qz - pz;
+                double e2 = ex * ex + ey * ey + ez * ez;
+                if (e2 > outer_sq) continue;
+                // Clear cases by the chord alone; the band between needs the metres,
+                // computed the same way in both passes so they agree.
+                double m = 0.0;
+                bool inside;
+                if (write || e2 >= inner_sq) {
+                    m = metres(qx, qy, qz, px, py, pz, radius);
+                    inside = e2 < inner_sq || m <= radius_m;
+                } else {
+                    inside = true;
+                }
+                if (!inside) continue;
+                if (write) {
+                    out_idx[first + found] = row;
+                    out_dist[first + found] = m;
+                }
+                ++found;
+            }
+        } else {
+            const int cl = level - 1;
+            const long long base = level_start[cl], count = level_count[cl];
+            const long long c0 = node * FANOUT;
+#pragma unroll
+            for (int j = 0; j < FANOUT; ++j) {
+                long long c = c0 + j;
+                if (c < count && box_dist2(fx, fy, fz, lo[base + c], hi[base + c]) <= thr) {
+                    st_node[sp] = (int)c;
+                    st_level[sp] = (unsigned char)cl;
+                    ++sp;
+                }
+            }
+        }
+    }
+    if (!write) {
+        counts[qi] = found;
+        return;
+    }
+    if (found > sort_limit) return;  // long segments are sorted afterwards, on the device
+    for (long long a = first + 1; a < first + found; ++a) {
+        double d = out_dist[a];
+        long long r = out_idx[a];
+        long long b = a - 1;
+        while (b >= first && (out_dist[b] > d || (out_dist[b] == d && out_idx[b] > r))) {
+            out_dist[b + 1] = out_dist[b];
+            out_idx[b + 1] = out_idx[b];
+            --b;
+        }
+        out_dist[b + 1] = d;
+        out_idx[b + 1] = r;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Distance matrices: one thread per column, ROWS rows per block; a column's unit
+// vector stays in registers, a row's is read once per warp, writes are coalesced.
+// ---------------------------------------------------------------------------------
+#define MATRIX_ROWS 16
+
+template <typename T>
+__global__ void distance_matrix(const T* __restrict__ a, const T* __restrict__ b,
+                                long long m, long long n, long long row0, T radius,
+                                T* __restrict__ out) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    const T bx = b[3 * j], by = b[3 * j + 1], bz = b[3 * j + 2];
+    const long long i0 = row0 + (long long)blockIdx.y * MATRIX_ROWS;
+#pragma unroll 4
+    for (int r = 0; r < MATRIX_ROWS; ++r) {
+        long long i = i0 + r;
+        if (i >= m) break;
+        const T ax = a[3 * i], ay = a[3 * i + 1], az = a[3 * i + 2];
+        T cx = ay * bz - az * by;
+        T cy = az * bx - ax * bz;
+        T cz = ax * by - ay * bx;
+        T dot = ax * bx + ay * by + az * bz;
+        out[(i - row0) * n + j] = radius * atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Spherical k-means: assignment (largest dot product, ties to the lowest cluster) fused
+// with the accumulation of each cluster's weighted sum of unit vectors. Sums are kept
+// in 64-bit fixed point (value * scale, rounded): integer addition is associative, so
+// the sums, and so the whole run, are the same from run to run whatever the order in
+// which threads add.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ int nearest_centroid(double x, double y, double z,
+                                                const double* __restrict__ cent, int k,
+                                                double* best_dot) {
+    double best = -INF_D;
+    int label = 0;
+    for (int c = 0; c < k; ++c) {
+        double dot = fma(z, cent[3 * c + 2], fma(y, cent[3 * c + 1], x * cent[3 * c]));
+        if (dot > best) {
+            best = dot;
+            label = c;
+        }
+    }
+    *best_dot = best;
+    return label;
+}
+
+extern "C" __global__ void kmeans_assign_accumulate(
+    const double* __restrict__ xyz, const double* __restrict__ weights, long long n,
+    const double* __restrict__ cent, int k, double scale, int use_shared,
+    unsigned long long* __restrict__ sums) {
+    extern __shared__ unsigned long long acc[];
+    unsigned long long* target = use_shared ? acc : sums;
+    if (use_shared) {
+        for (int j = threadIdx.x; j < 3 * k; j += blockDim.x) acc[j] = 0ULL;
+        __syncthreads();
+    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        double x = xyz[3 * i], y = xyz[3 * i + 1], z = xyz[3 * i + 2];
+        double best;
+        int c = nearest_centroid(x, y, z, cent, k, &best);
+        double w = weights != nullptr ? weights[i] : 1.0;
+        if (w == 0.0) continue;
+        atomicAdd(&target[3 * c], (unsigned long long)__double2ll_rn(w * x * scale));
+        atomicAdd(&target[3 * c + 1], (unsigned long long)__double2ll_rn(w * y * scale));
+        atomicAdd(&target[3 * c + 2], (unsigned long long)__double2ll_rn(w * z * scale));
+    }
+    if (use_shared) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < 3 * k; j += blockDim.x) {
+            if (acc[j] != 0ULL) atomicAdd(&sums[j], acc[j]);
+        }
+    }
+}
+
+// Final labels and each point's weighted squared great-circle metres to its centroid.
+extern "C" __global__ void kmeans_labels(const double* __restrict__ xyz,
+                                         const double* __restrict__ weights, long long n,
+                                         const double* __restrict__ cent, int k, double radius,
+                                         int* __restrict__ labels,
+                                         double* __restrict__ sq_metres) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double x = xyz[3 * i], y = xyz[3 * i + 1], z = xyz[3 * i + 2];
+    double best;
+    int c = nearest_centroid(x, y, z, cent, k, &best);
+    labels[i] = c;
+    double m = metres(x, y, z, cent[3 * c], cent[3 * c + 1], cent[3 * c + 2], radius);
+    double w = weights != nullptr ? weights[i] : 1.0;
+    sq_metres[i] = w * m * m;
+}
+"""

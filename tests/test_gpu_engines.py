@@ -1,0 +1,335 @@
+"""The GPU engines (gpu, cuml, cupy-broadcast) against the float64 reference.
+
+Runs on a GPU machine (``pytest -m gpu``); without a working GPU every test here is
+skipped with the reason ``gpu_available()`` gives. Sets are larger than the foundation's
+parity tests so that the GPU paths for many queries (queries sorted by key, radius
+answers longer than the kernel sorts itself, k above the register top-k) run too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_engine_parity import TIE_M, assert_same_neighbours
+
+from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service.engines import (
+    Engine,
+    EngineUnavailable,
+    create_engine,
+    gpu_available,
+)
+from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not gpu_available()[0], reason=f"no usable GPU: {gpu_available()[1]}"),
+]
+
+REFERENCE = "numpy-brute"
+HALF_CIRCUMFERENCE_M = math.pi * EARTH_RADIUS_M
+
+UNIFORM = uniform_points(20_000, seed=31)
+CLUSTERED = clustered_points(20_000, seed=32, n_clusters=40, spread_m=5_000.0)
+QUERIES = uniform_points(3000, seed=33)
+CLUSTER_QUERIES = (
+    np.concatenate([CLUSTERED[0][:1500], np.clip(CLUSTERED[0][:1500] + 0.003, -90, 90)]),
+    np.concatenate([CLUSTERED[1][:1500], CLUSTERED[1][:1500] - 0.003]),
+)
+SETS = {"uniform": (UNIFORM, QUERIES), "clustered": (CLUSTERED, CLUSTER_QUERIES)}
+
+
+def _engine(name: str) -> Engine:
+    try:
+        return create_engine(name)
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def reference() -> Engine:
+    return create_engine(REFERENCE)
+
+
+@pytest.fixture(scope="module", params=["gpu", "cuml", "cupy-broadcast"])
+def knn_engine(request: pytest.FixtureRequest) -> Engine:
+    return _engine(request.param)
+
+
+@pytest.fixture(scope="module", params=["gpu", "cupy-broadcast"])
+def full_engine(request: pytest.FixtureRequest) -> Engine:
+    """Engines that answer radius queries and matrices too (cuML's do not)."""
+    return _engine(request.param)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Engine:
+    return _engine("gpu")
+
+
+def _queries(data: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    lat, lon = SETS[data][1]
+    return lat[:n], lon[:n]
+
+
+# -- KNN -------------------------------------------------------------------------------
+@pytest.mark.parametrize("data", SETS)
+@pytest.mark.parametrize("k", [1, 10, 33, 200])
+def test_knn_matches_reference(knn_engine: Engine, reference: Engine, data: str, k: int) -> None:
+    points = SETS[data][0]
+    # the brute-force engines get fewer queries: they are O(queries x points)
+    queries = _queries(data, 3000 if knn_engine.name == "gpu" else 400)
+    got = knn_engine.build_index(*points).knn(*queries, k)
+    want = reference.build_index(*points).knn(*queries, k)
+    assert got.indices.shape == (queries[0].shape[0], k)
+    assert got.indices.dtype == np.int64 and got.distances_m.dtype == np.float64
+    assert_same_neighbours(got, want, queries=queries, points=points)
+
+
+@pytest.mark.parametrize("data", SETS)
+def test_knn_max_distance_matches_reference(
+    knn_engine: Engine, reference: Engine, data: str
+) -> None:
+    points, queries = SETS[data][0], _queries(data, 500)
+    bound = 40_000.0
+    got = knn_engine.build_index(*points).knn(*queries, 12, max_distance_m=bound)
+    want = reference.build_index(*points).knn(*queries, 12, max_distance_m=bound)
+    assert (want.indices < 0).any() and (want.indices >= 0).any()  # the bound really cuts
+    assert_same_neighbours(got, want, queries=queries, points=points)
+    assert np.all(got.distances_m[got.indices >= 0] <= bound)
+
+
+def test_knn_of_many_queries_is_the_same_in_any_order(gpu: Engine) -> None:
+    # Many queries are searched in key order and written back in the order given.
+    index = gpu.build_index(*CLUSTERED)
+    lat, lon = CLUSTER_QUERIES
+    whole = index.knn(lat, lon, 8)
+    perm = np.random.default_rng(0).permutation(lat.shape[0])
+    shuffled = index.knn(lat[perm], lon[perm], 8)
+    np.testing.assert_array_equal(shuffled.indices, whole.indices[perm])
+    np.testing.assert_array_equal(shuffled.distances_m, whole.distances_m[perm])
+    few = index.knn(lat[:10], lon[:10], 8)  # searched in the order given
+    np.testing.assert_array_equal(few.indices, whole.indices[:10])
+
+
+# -- radius ----------------------------------------------------------------------------
+@pytest.mark.parametrize("data", SETS)
+@pytest.mark.parametrize("radius_m", [0.0, 3_000.0, 60_000.0, 400_000.0])
+def test_radius_matches_reference(
+    full_engine: Engine, reference: Engine, data: str, radius_m: float
+) -> None:
+    points, queries = SETS[data][0], _queries(data, 300)
+    got = full_engine.build_index(*points).radius(*queries, radius_m)
+    want = reference.build_index(*points).radius(*queries, radius_m)
+    assert_same_neighbours(got, want, queries=queries, points=points)
+    assert np.all(got.distances_m <= radius_m)
+    if radius_m == 400_000.0 and data == "uniform":
+        # answers longer than the kernel sorts itself went through the device sort
+        assert np.diff(got.offsets).max() > 128
+
+
+def test_radius_beyond_half_the_circumference_returns_every_point(
+    full_engine: Engine, reference: Engine
+) -> None:
+    points = (UNIFORM[0][:3000], UNIFORM[1][:3000])
+    queries = (QUERIES[0][:5], QUERIES[1][:5])
+    got = full_engine.build_index(*points).radius(*queries, HALF_CIRCUMFERENCE_M + 1.0)
+    assert np.all(np.diff(got.offsets) == 3000)
+    want = reference.build_index(*points).radius(*queries, HALF_CIRCUMFERENCE_M + 1.0)
+    assert_same_neighbours(got, want)
+
+
+# -- edge cases ------------------------------------------------------------------------
+def _both(engine: Engine, reference: Engine, points, queries, k: int, radius_m: float | None):
+    points = tuple(np.asarray(p, dtype=np.float64) for p in points)
+    queries = tuple(np.asarray(q, dtype=np.float64) for q in queries)
+    got = engine.build_index(*points).knn(*queries, k)
+    assert_same_neighbours(
+        got, reference.build_index(*points).knn(*queries, k), queries=queries, points=points
+    )
+    if radius_m is not None and engine.name != "cuml":
+        found = engine.build_index(*points).radius(*queries, radius_m)
+        want = reference.build_index(*points).radius(*queries, radius_m)
+        assert_same_neighbours(found, want, queries=queries, points=points)
+    return got
+
+
+def test_poles(knn_engine: Engine, reference: Engine) -> None:
+    lon = [-180.0, -90.0, 0.0, 45.0, 180.0]
+    points = ([90.0] * 5 + [-90.0] * 5 + [89.999, -89.999], lon + lon + [17.0, -163.0])
+    queries = ([90.0, -90.0, 89.9999], [0.0, 77.0, 180.0])
+    got = _both(knn_engine, reference, points, queries, k=6, radius_m=200.0)
+    assert set(got.indices[0, :5].tolist()) == set(range(5))
+    assert set(got.indices[1, :5].tolist()) == set(range(5, 10))
+    assert got.indices[0, 5] == 10 and got.indices[1, 5] == 11
+
+
+def test_antimeridian(knn_engine: Engine, reference: Engine) -> None:
+    points = ([0.0, 0.0, 0.0, 0.0, 10.0, 0.0], [180.0, -180.0, 179.9, -179.9, 179.99, 0.0])
+    queries = ([0.0, 0.0, 10.0], [180.0, -179.95, -180.0])
+    got = _both(knn_engine, reference, points, queries, k=6, radius_m=50_000.0)
+    assert set(got.indices[0, :2].tolist()) == {0, 1}
+    assert got.indices[2, 0] == 4  # across the line
+    assert got.distances_m[0, 5] == pytest.approx(HALF_CIRCUMFERENCE_M, abs=TIE_M)
+
+
+def test_antipodal_pairs(knn_engine: Engine, reference: Engine) -> None:
+    lat, lon = uniform_points(40, seed=5)
+    anti = (-lat, np.where(lon > 0, lon - 180.0, lon + 180.0))
+    got = _both(knn_engine, reference, (lat, lon), anti, k=40, radius_m=HALF_CIRCUMFERENCE_M)
+    np.testing.assert_array_equal(got.indices[:, -1], np.arange(40))
+    np.testing.assert_allclose(got.distances_m[:, -1], HALF_CIRCUMFERENCE_M, rtol=0, atol=TIE_M)
+
+
+@pytest.mark.parametrize("k", [4, 150])
+def test_duplicates_break_ties_by_row_order(knn_engine: Engine, reference: Engine, k: int) -> None:
+    # k=150: the GPU engine's path for k above its register top-k
+    lat, lon = uniform_points(4000, seed=9)
+    dup_rows = np.sort(np.random.default_rng(3).choice(4000, 160, replace=False))
+    lat[dup_rows], lon[dup_rows] = -33.75, 151.25
+    got = _both(knn_engine, reference, (lat, lon), ([-33.75], [151.25]), k=k, radius_m=0.0)
+    np.testing.assert_array_equal(got.indices[0], dup_rows[:k])
+    np.testing.assert_array_equal(got.distances_m[0], np.zeros(k))
+
+
+def test_k_larger_than_the_set_and_a_single_point(knn_engine: Engine, reference: Engine) -> None:
+    lat, lon = uniform_points(30, seed=2)
+    got = _both(knn_engine, reference, (lat, lon), QUERIES, k=500, radius_m=None)
+    assert got.indices.shape == (QUERIES[0].shape[0], 30)
+    assert all(sorted(row.tolist()) == list(range(30)) for row in got.indices)
+    one = _both(knn_engine, reference, ([12.0], [-7.0]), QUERIES, k=3, radius_m=None)
+    assert one.indices.shape == (QUERIES[0].shape[0], 1)
+    np.testing.assert_array_equal(one.indices, 0)
+
+
+def test_no_queries_and_no_points(full_engine: Engine) -> None:
+    empty = np.empty(0)
+    index = full_engine.build_index(*UNIFORM)
+    assert index.knn(empty, empty, 3).indices.shape == (0, 3)
+    np.testing.assert_array_equal(index.radius(empty, empty, 10.0).offsets, [0])
+    nothing = full_engine.build_index(empty, empty)
+    assert nothing.knn(QUERIES[0][:4], QUERIES[1][:4], 3).indices.shape == (4, 0)
+    np.testing.assert_array_equal(
+        np.diff(nothing.radius(QUERIES[0][:4], QUERIES[1][:4], 1e6).offsets), 0
+    )
+
+
+# -- distance matrices -----------------------------------------------------------------
+ROWS = (
+    np.concatenate([QUERIES[0][:300], [90.0, -90.0, 0.0]]),
+    np.concatenate([QUERIES[1][:300], [0.0, 10.0, 180.0]]),
+)
+COLS = (
+    np.concatenate([UNIFORM[0][:700], [-90.0, 0.0, 0.0]]),
+    np.concatenate([UNIFORM[1][:700], [33.0, 0.0, -180.0]]),
+)
+
+
+def _reference_matrix() -> np.ndarray:
+    return great_circle_m(ROWS[0][:, None], ROWS[1][:, None], COLS[0][None, :], COLS[1][None, :])
+
+
+def test_matrix_float64_within_a_millimetre(full_engine: Engine) -> None:
+    got = full_engine.distance_matrix(*ROWS, *COLS, dtype="float64")
+    assert got.dtype == np.float64 and got.shape == (303, 703)
+    np.testing.assert_allclose(got, _reference_matrix(), rtol=0, atol=1e-3)
+
+
+def test_matrix_float32_within_a_few_metres(full_engine: Engine) -> None:
+    got = full_engine.distance_matrix(*ROWS, *COLS, dtype="float32")
+    assert got.dtype == np.float32
+    error = np.abs(got.astype(np.float64) - _reference_matrix())
+    assert error.max() < 4.0
+    assert np.median(error) < 1.0
+
+
+def test_matrix_kept_on_the_device_equals_the_host_one(gpu: Engine) -> None:
+    import cupy
+
+    on_device = gpu.distance_matrix_device(*ROWS, *COLS, dtype="float64")  # type: ignore[attr-defined]
+    assert isinstance(on_device, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(on_device), gpu.distance_matrix(*ROWS, *COLS))
+
+
+# -- k-means ---------------------------------------------------------------------------
+@pytest.mark.parametrize("data", SETS)
+def test_kmeans_matches_the_cpu_engine_from_the_same_seed(full_engine: Engine, data: str) -> None:
+    points = SETS[data][0]
+    cpu = create_engine("cpu").build_index(*points).kmeans(16, seed=7, n_init=2, max_iter=40)
+    got = full_engine.build_index(*points).kmeans(16, seed=7, n_init=2, max_iter=40)
+    assert got.inertia_m2 == pytest.approx(cpu.inertia_m2, rel=1e-6)
+    np.testing.assert_array_equal(got.sizes, cpu.sizes)
+    np.testing.assert_allclose(got.centroid_lat, cpu.centroid_lat, rtol=0, atol=1e-6)
+    assert got.n_iter == cpu.n_iter
+
+
+def test_gpu_kmeans_is_deterministic_and_weighted_like_the_cpu(gpu: Engine) -> None:
+    weights = np.random.default_rng(1).uniform(0.0, 3.0, CLUSTERED[0].shape[0])
+    weights[::5] = 0.0
+    index = gpu.build_index(*CLUSTERED)
+    a = index.kmeans(24, weights=weights, seed=2)
+    b = index.kmeans(24, weights=weights, seed=2)
+    np.testing.assert_array_equal(a.centroid_lat, b.centroid_lat)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    cpu = create_engine("cpu").build_index(*CLUSTERED).kmeans(24, weights=weights, seed=2)
+    assert a.inertia_m2 == pytest.approx(cpu.inertia_m2, rel=1e-6)
+    np.testing.assert_array_equal(a.sizes, cpu.sizes)
+
+
+def test_cuml_kmeans_labels_each_point_with_its_nearest_centroid() -> None:
+    engine = _engine("cuml")
+    lat, lon = CLUSTERED
+    result = engine.build_index(lat, lon).kmeans(10, seed=3)
+    assert result.sizes.sum() == lat.shape[0]
+    d = great_circle_m(
+        lat[:, None], lon[:, None], result.centroid_lat[None, :], result.centroid_lon[None, :]
+    )
+    ordered = np.sort(d, axis=1)
+    clear = ordered[:, 1] - ordered[:, 0] > TIE_M
+    np.testing.assert_array_equal(result.labels[clear], np.argmin(d, axis=1)[clear])
+
+
+# -- what the GPU engine reports -------------------------------------------------------
+def test_device_bytes_stay_within_the_budget_per_point(gpu: Engine) -> None:
+    index = gpu.build_index(*UNIFORM)
+    per_point = index.device_bytes / UNIFORM[0].shape[0]
+    # 64 bytes per point with int64 ids (8 bytes, held with the dataset): 56 for the index
+    assert 24 <= per_point <= 56
+    used, total = gpu.memory_pool_bytes()
+    assert 0 < used <= total
+    assert gpu.describe_device().startswith("gpu: ")
+
+
+def test_warm_up_compiles_every_kernel(gpu: Engine) -> None:
+    from geonear.service.engines import gpu as gpu_module
+
+    gpu.warm_up()
+    assert gpu_module._module is not None
+    for name in gpu_module._NAMES:
+        assert gpu_module._kernels().get_function(name) is not None
+
+
+def test_a_failed_device_allocation_is_device_out_of_memory(gpu: Engine) -> None:
+    import cupy
+
+    from geonear.service.engines.gpu_memory import DeviceOutOfMemory, translate_out_of_memory
+
+    expect = pytest.raises(DeviceOutOfMemory, match="GPU memory exhausted")
+    with expect as caught, translate_out_of_memory("a test"):
+        cupy.empty(2**52, dtype=cupy.uint8)  # 4 PiB: beyond any card
+    assert isinstance(caught.value, MemoryError)
+    assert isinstance(caught.value.__cause__, cupy.cuda.memory.OutOfMemoryError)
+    # the engine goes on serving
+    lat, lon = uniform_points(10, seed=1)
+    assert gpu.build_index(lat, lon).knn(lat, lon, 1).indices[:, 0].tolist() == list(range(10))
+
+
+def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:
+    import cupy
+
+    from geonear.service.engines.gpu import unit_vectors_device
+
+    xyz, _ = unit_vectors_device(*UNIFORM)
+    np.testing.assert_allclose(cupy.asnumpy(xyz), unit_vectors(*UNIFORM), rtol=0, atol=1e-15)
