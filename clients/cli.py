@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,8 @@ def _floats(text: str) -> list[float]:
 
 # -- serve -----------------------------------------------------------------------------
 def _add_serve(sub: Any) -> None:
+    from geonear.service.settings import Limits
+
     p = sub.add_parser(
         "serve",
         help="run the gRPC server",
@@ -59,13 +62,45 @@ def _add_serve(sub: Any) -> None:
         default=None,
         help="load the bundled airports and cities data sets at start",
     )
+    security = p.add_argument_group("security")
+    security.add_argument("--tls-cert", help="PEM certificate chain of the server (with --tls-key)")
+    security.add_argument("--tls-key", help="PEM private key of the server")
+    security.add_argument(
+        "--tls-client-ca", help="PEM CA bundle: clients must present a certificate it signed"
+    )
+    security.add_argument(
+        "--auth-tokens", help="file of bearer tokens, lines 'read|admin TOKEN [name]'"
+    )
+    limits = p.add_argument_group("limits (RESOURCE_EXHAUSTED beyond them)")
+    for name, field in Limits.model_fields.items():
+        limits.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            dest=f"limit_{name}",
+            help=f"{field.description} (GEONEAR_{name.upper()}, default {field.default})",
+        )
+    ops = p.add_argument_group("observability")
+    ops.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    ops.add_argument(
+        "--no-request-log",
+        action="store_false",
+        dest="log_requests",
+        default=None,
+        help="no log line per request",
+    )
+    ops.add_argument(
+        "--shutdown-grace-s", type=float, help="seconds calls in flight get at shutdown (5)"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import pydantic
+
+    from geonear.service.auth import TokenFileError
     from geonear.service.server import serve
-    from geonear.service.settings import ServerSettings
+    from geonear.service.settings import Limits, ServerSettings
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -81,12 +116,28 @@ def _serve(args: argparse.Namespace) -> int:
             "earth_radius_m": args.earth_radius_m,
             "max_workers": args.max_workers,
             "demo": args.demo,
+            "tls_cert": args.tls_cert,
+            "tls_key": args.tls_key,
+            "tls_client_ca": args.tls_client_ca,
+            "auth_tokens": args.auth_tokens,
+            "metrics_port": args.metrics_port,
+            "log_requests": args.log_requests,
+            "shutdown_grace_s": args.shutdown_grace_s,
         }.items()
         if v is not None
     }
     if args.memory_only:
         given["data_dir"] = None
-    serve(ServerSettings(**given))
+    limits = {
+        name: getattr(args, f"limit_{name}")
+        for name in Limits.model_fields
+        if getattr(args, f"limit_{name}") is not None
+    }
+    try:
+        settings = ServerSettings(**given, limits=Limits(**limits))
+        serve(settings)
+    except (TokenFileError, pydantic.ValidationError) as exc:
+        raise ValueError(str(exc)) from exc
     return 0
 
 
@@ -95,6 +146,16 @@ def _client_parser(sub: Any, name: str, help: str, func: Callable[..., int]) -> 
     p = sub.add_parser(name, help=help, description=help)
     p.add_argument("--target", default=DEFAULT_TARGET, help="server host:port")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of the call")
+    p.add_argument("--tls", action="store_true", help="use TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate")
+    p.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
+    p.add_argument("--tls-key", help="PEM client key, for mutual TLS")
+    p.add_argument("--tls-server-name", help="name to verify in the server's certificate")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("GEONEAR_TOKEN"),
+        help="bearer token (default: the GEONEAR_TOKEN environment variable)",
+    )
     p.set_defaults(func=func)
     return p
 
@@ -142,12 +203,18 @@ def _drop(client: Client, args: argparse.Namespace) -> int:
 def _add_points(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lat", type=_floats, help="latitude(s), degrees, comma-separated")
     p.add_argument("--lon", type=_floats, help="longitude(s), degrees")
-    p.add_argument("--queries", metavar="FILE",
-                   help="query points from a file (CSV, Parquet, Arrow, GeoJSON, GeoParquet; "
-                        "lat/lon columns detected) instead of --lat/--lon")
-    p.add_argument("--out", metavar="FILE",
-                   help="write the results to FILE (.parquet, .csv or .arrow; a matrix also "
-                        ".npy) instead of printing them")
+    p.add_argument(
+        "--queries",
+        metavar="FILE",
+        help="query points from a file (CSV, Parquet, Arrow, GeoJSON, GeoParquet; "
+        "lat/lon columns detected) instead of --lat/--lon",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the results to FILE (.parquet, .csv or .arrow; a matrix also "
+        ".npy) instead of printing them",
+    )
     p.add_argument("--columns", default="", help="attribute columns to add, comma-separated")
 
 
@@ -180,8 +247,9 @@ def _columns(args: argparse.Namespace) -> list[str]:
 
 def _knn(client: Client, args: argparse.Namespace) -> int:
     lat, lon = _query_points(args)
-    frame = client.knn(args.name, lat, lon, k=args.k,
-                       max_distance_m=args.max_distance_m, columns=_columns(args))
+    frame = client.knn(
+        args.name, lat, lon, k=args.k, max_distance_m=args.max_distance_m, columns=_columns(args)
+    )
     _write_or_print(frame, args, f"{args.k} nearest in {args.name}")
     return 0
 
@@ -197,20 +265,24 @@ def _matrix(client: Client, args: argparse.Namespace) -> int:
     if args.name is None and args.lat2 is None:
         raise ValueError("give a dataset NAME or --lat2/--lon2")
     lat, lon = _query_points(args)
-    m = client.distance_matrix(lat, lon, name=args.name, lat2=args.lat2,
-                               lon2=args.lon2, dtype=args.dtype)
+    m = client.distance_matrix(
+        lat, lon, name=args.name, lat2=args.lat2, lon2=args.lon2, dtype=args.dtype
+    )
     if args.out and args.out.endswith(".npy"):
         np.save(args.out, m)
         _console.print(f"wrote a {m.shape[0]} x {m.shape[1]} {m.dtype} matrix to {args.out}")
     elif args.out:
         # Long form, one row per (query, column) pair: what Parquet/CSV readers expect.
         rows, cols = np.indices(m.shape)
-        frame = pd.DataFrame({"query_index": rows.ravel(), "column_index": cols.ravel(),
-                              "distance_m": m.ravel()})
+        frame = pd.DataFrame(
+            {"query_index": rows.ravel(), "column_index": cols.ravel(), "distance_m": m.ravel()}
+        )
         _write_or_print(frame, args, "distance matrix, metres")
     else:
-        _print_frame(pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
-                     "distance matrix, metres")
+        _print_frame(
+            pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
+            "distance matrix, metres",
+        )
     return 0
 
 
@@ -241,7 +313,16 @@ def _server_info(client: Client, args: argparse.Namespace) -> int:
 
 def _run_client(func: Callable[[Client, argparse.Namespace], int]) -> Callable[..., int]:
     def run(args: argparse.Namespace) -> int:
-        with Client(args.target, timeout_s=args.timeout_s) as client:
+        with Client(
+            args.target,
+            timeout_s=args.timeout_s,
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            token=args.token,
+            server_name=args.tls_server_name,
+        ) as client:
             return func(client, args)
 
     return run

@@ -7,9 +7,11 @@ Calls take and return pandas / pyarrow / NumPy objects; errors raise the
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -73,6 +75,82 @@ def _as_table(data: Any) -> Iterator[pa.RecordBatch] | pa.Table:
     )
 
 
+Pem = str | os.PathLike | bytes
+
+
+def _pem(value: Pem | None) -> bytes | None:
+    """PEM bytes given as bytes, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call.
+
+    Metadata rather than call credentials: gRPC refuses call credentials on a plaintext
+    channel, and a token over plaintext still has its use on a loopback or private net.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _add(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._entry]
+        return details._replace(metadata=metadata)
+
+    def _intercept(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._add(details), request)
+
+    intercept_unary_unary = _intercept
+    intercept_unary_stream = _intercept
+    intercept_stream_unary = _intercept
+    intercept_stream_stream = _intercept
+
+
+def open_channel(
+    target: str,
+    *,
+    tls: bool = False,
+    tls_ca: Pem | None = None,
+    tls_cert: Pem | None = None,
+    tls_key: Pem | None = None,
+    token: str | None = None,
+    server_name: str | None = None,
+) -> grpc.Channel:
+    """A channel to ``target``: plaintext, TLS or mutual TLS, with an optional token.
+
+    TLS is used when ``tls`` is True or any TLS file is given; without ``tls_ca`` the
+    system's roots verify the server. Mutual TLS needs both ``tls_cert`` and ``tls_key``.
+    ``server_name`` overrides the name checked in the server's certificate.
+    """
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("mutual TLS needs both tls_cert and tls_key")
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", _MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", _MESSAGE_BYTES),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if tls or tls_ca is not None or tls_cert is not None:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_pem(tls_ca),
+            private_key=_pem(tls_key),
+            certificate_chain=_pem(tls_cert),
+        )
+        channel = grpc.secure_channel(target, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(target, options=options)
+    if token:
+        channel = grpc.intercept_channel(channel, _BearerToken(token))
+    return channel
+
+
 class Client:
     """A connection to a geonear server.
 
@@ -82,6 +160,19 @@ class Client:
         ``host:port`` of the server.
     timeout_s : float, optional
         Default deadline of every call, seconds (None: no deadline).
+    tls : bool
+        Use TLS, verifying the server against the system's roots (implied by the
+        options below).
+    tls_ca : path or PEM bytes, optional
+        CA bundle that signed the server's certificate.
+    tls_cert, tls_key : path or PEM bytes, optional
+        Client certificate chain and key, for a server that asks for mutual TLS.
+    token : str, optional
+        Bearer token sent with every call (a server started with ``--auth-tokens``).
+    server_name : str, optional
+        Name to verify in the server's certificate instead of the target's host.
+    channel : grpc.Channel, optional
+        A ready channel; the connection options above are then ignored.
     """
 
     def __init__(
@@ -89,16 +180,24 @@ class Client:
         target: str = DEFAULT_TARGET,
         *,
         timeout_s: float | None = None,
+        tls: bool = False,
+        tls_ca: Pem | None = None,
+        tls_cert: Pem | None = None,
+        tls_key: Pem | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = channel or grpc.insecure_channel(
+        self._channel = channel or open_channel(
             target,
-            options=[
-                ("grpc.max_send_message_length", _MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", _MESSAGE_BYTES),
-            ],
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            token=token,
+            server_name=server_name,
         )
         self._stub = pb_grpc.GeoNearStub(self._channel)
         self._on_close: list[Any] = []
@@ -341,16 +440,36 @@ class Client:
 
 
 def connect(
-    target: str | None = None, *, timeout_s: float | None = None, **server_settings: Any
+    target: str | None = None,
+    *,
+    timeout_s: float | None = None,
+    tls: bool = False,
+    tls_ca: Pem | None = None,
+    tls_cert: Pem | None = None,
+    tls_key: Pem | None = None,
+    token: str | None = None,
+    server_name: str | None = None,
+    **server_settings: Any,
 ) -> Client:
     """A client for ``target`` (``host:port``).
 
-    With no target, an in-process server starts on a free loopback port (CPU backend
-    unless ``backend=`` says otherwise, data kept in a temporary directory unless
-    ``data_dir=`` is given) and stops when the client is closed.
+    ``tls``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``token`` and ``server_name`` are
+    the connection options of :class:`Client`. With no target, an in-process server
+    starts on a free loopback port (CPU backend unless ``backend=`` says otherwise, data
+    kept in a temporary directory unless ``data_dir=`` is given) and stops when the
+    client is closed.
     """
     if target is not None:
-        return Client(target, timeout_s=timeout_s)
+        return Client(
+            target,
+            timeout_s=timeout_s,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            token=token,
+            server_name=server_name,
+        )
     from geonear.service.server import create_server
     from geonear.service.settings import ServerSettings
 
@@ -362,7 +481,16 @@ def connect(
     settings = ServerSettings(host="127.0.0.1", port=0, **server_settings)
     server, port, _ = create_server(settings)
     server.start()
-    client = Client(f"127.0.0.1:{port}", timeout_s=timeout_s)
+    client = Client(
+        f"127.0.0.1:{port}",
+        timeout_s=timeout_s,
+        tls=tls,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        token=token,
+        server_name=server_name,
+    )
 
     def stop() -> None:
         server.stop(grace=None)
