@@ -267,7 +267,8 @@ def test_acknowledged_changes_survive_sigkill(tmp_path: Path) -> None:
         server.stop()
     acknowledged = sum(w.acknowledged for w in workers)
     print(
-        f"crash test: {kills} kills, {acknowledged} acknowledged changes, changes in flight {in_flight}"
+        f"crash test: {kills} kills, {acknowledged} acknowledged changes, "
+        f"changes in flight {in_flight}"
     )
     assert kills >= 20
     # The clients really worked between the kills, and kills landed inside changes.
