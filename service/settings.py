@@ -40,8 +40,9 @@ class Limits(BaseSettings):
     max_upload_rows: int = Field(
         2_000_000_000, ge=1, description="largest number of rows in one upload"
     )
+    # At least gRPC's default of 4 MiB: results stream in 1 MiB batches and 2 MiB tiles.
     max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024 * 1024, description="largest gRPC message, bytes"
+        64 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message, bytes"
     )
     max_query_points: int = Field(
         2_000_000, ge=1, description="largest number of query points in one request"
