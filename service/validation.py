@@ -63,7 +63,10 @@ def _numeric_column(table: pa.Table, name: str, role: str) -> pa.ChunkedArray:
         raise InvalidInput(
             f"{role} column {name!r}: " + _bad_rows_message("null values", rows, ["null"] * _SHOW)
         )
-    return pc.cast(col, pa.float64())
+    try:
+        return pc.cast(col, pa.float64())
+    except pa.ArrowInvalid as exc:
+        raise InvalidInput(f"{role} column {name!r} cannot be read as float64: {exc}") from exc
 
 
 def _pick(table: pa.Table, wanted: str, role: str) -> str:
@@ -99,7 +102,10 @@ def normalise_upload(
     if id_name in table.column_names:
         ids = table.column(id_name)
         if pa.types.is_integer(ids.type):
-            ids = pc.cast(ids, pa.int64())
+            try:
+                ids = pc.cast(ids, pa.int64())
+            except pa.ArrowInvalid as exc:
+                raise InvalidInput(f"id column {id_name!r}: ids must fit in int64 ({exc})") from exc
         elif pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
             ids = pc.cast(ids, pa.string())
         else:

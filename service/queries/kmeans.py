@@ -16,6 +16,9 @@ from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion, column_numpy
 from geonear.service.validation import RESERVED
 
+#: Initialisations are prepared up front (one seed each), so their number is bounded.
+MAX_N_INIT = 1000
+
 
 def kmeans(
     dataset: DatasetVersion,
@@ -34,9 +37,9 @@ def kmeans(
         raise LimitExceeded(f"k={k} exceeds max_k={limits.max_k} (setting GEONEAR_MAX_K)")
     if not 1 <= k <= dataset.rows:
         raise InvalidInput(f"k must be between 1 and the dataset's {dataset.rows} rows, got {k}")
-    if n_init < 1 or max_iter < 1 or not (np.isfinite(tol) and tol >= 0):
+    if not 1 <= n_init <= MAX_N_INIT or max_iter < 1 or not (np.isfinite(tol) and tol >= 0):
         raise InvalidInput(
-            f"need n_init >= 1, max_iter >= 1 and tol >= 0; got "
+            f"need 1 <= n_init <= {MAX_N_INIT}, max_iter >= 1 and tol >= 0; got "
             f"n_init={n_init}, max_iter={max_iter}, tol={tol}"
         )
     weights = _weights(dataset, weight_column) if weight_column else None
