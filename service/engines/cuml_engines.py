@@ -7,8 +7,8 @@ show what a library call or the obvious CuPy code gives on the same card.
 |----------------|------------------------------------|--------|--------------|--------------------|
 | cuml           | NearestNeighbors(brute, haversine) | no     | no           | cuml.KMeans, unit  |
 |                | + exact float64 re-rank on host    |        |              | vectors, Euclidean |
-| cupy-broadcast | broadcast float64 distances +      | yes    | broadcasting | shared Lloyd loop, |
-|                | argpartition, blocks of queries    |        | (unfused)    | xp=cupy (GEMM)     |
+| cupy-broadcast | broadcast float64 distances +      | yes    | broadcasting | Lloyd loop: GEMM,  |
+|                | argpartition, blocks of queries    |        | (unfused)    | argmax, one-hot    |
 
 What an engine cannot do raises NotImplementedError with the reason.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from geonear.service.engines import gpu_memory
+from geonear.service.engines import EngineUnavailable, gpu_memory
 from geonear.service.engines.base import (
     KMeansResult,
     MatrixDtype,
@@ -30,7 +30,7 @@ from geonear.service.engines.base import (
     sort_radius,
 )
 from geonear.service.engines.host import HostEngine, HostIndex
-from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus, spherical_kmeans
+from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
     angle_between,
@@ -46,7 +46,9 @@ def _cuml() -> Any:
     try:
         import cuml
     except ImportError as exc:
-        raise ImportError("cuML is not installed (pip install 'geonear[gpu]')") from exc
+        raise EngineUnavailable(
+            f"engine 'cuml' needs cuML: {exc} (pip install 'geonear[gpu]')"
+        ) from exc
     return cuml
 
 
@@ -308,18 +310,70 @@ class BroadcastIndex(HostIndex):
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> KMeansResult:
-        """The shared spherical k-means run with ``xp=cupy`` (GEMM, argmax, bincount)."""
-        return spherical_kmeans(
-            self.xyz_device,
-            k,
-            weights=None if weights is None else cp.asarray(weights, dtype=cp.float64),
-            seed=seed,
-            n_init=n_init,
-            max_iter=max_iter,
-            tol=tol,
-            earth_radius_m=self.earth_radius_m,
-            xp=cp,
+        """Spherical k-means the obvious CuPy way: GEMM, argmax, one-hot GEMM.
+
+        Same definition and k-means++ seeding as ``spherical_kmeans``; the cluster sums
+        are a GEMM of one-hot labels (deterministic, unlike ``bincount``'s atomics, so
+        the same seed gives the same result).
+        """
+        n = self.n_points
+        if not 1 <= k <= n:
+            raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
+        xyz = self.xyz_device
+        w = None if weights is None else cp.asarray(weights, dtype=cp.float64)
+        wxyz = xyz if w is None else xyz * w[:, None]
+        best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
+        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
+            centroids = seed_kmeans_plus_plus(xyz, k, w, np.random.default_rng(child), cp)
+            n_iter = 0
+            for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
+                labels = self._assign(centroids)
+                sums = self._cluster_sums(labels, wxyz, k)
+                norms = cp.sqrt((sums * sums).sum(axis=1))
+                empty = norms == 0
+                new = cp.where(
+                    empty[:, None], centroids, sums / cp.where(empty, 1.0, norms)[:, None]
+                )
+                shift = float(cp.max(angle_between(centroids, new, xp=cp)))
+                centroids = new
+                if shift <= tol:
+                    break
+            labels = self._assign(centroids)
+            sq = (self.earth_radius_m * angle_between(xyz, centroids[labels], xp=cp)) ** 2
+            inertia = float((sq if w is None else sq * w).sum())
+            if best is None or inertia < best[0]:
+                best = (inertia, centroids, labels, n_iter)
+        assert best is not None
+        inertia, centroids, labels, n_iter = best
+        c_lat, c_lon = unit_vectors_to_latlon(centroids, xp=cp)
+        return KMeansResult(
+            centroid_lat=cp.asnumpy(c_lat),
+            centroid_lon=cp.asnumpy(c_lon),
+            sizes=cp.asnumpy(cp.bincount(labels, minlength=k)).astype(np.int64),
+            labels=cp.asnumpy(labels).astype(np.int32),
+            inertia_m2=inertia,
+            n_iter=n_iter,
         )
+
+    def _steps_k(self, k: int) -> int:
+        return max(1, _BLOCK_ELEMENTS // max(1, 4 * k))
+
+    def _assign(self, centroids: cp.ndarray) -> cp.ndarray:
+        xyz, step = self.xyz_device, self._steps_k(int(centroids.shape[0]))
+        labels = cp.empty(xyz.shape[0], dtype=cp.int32)
+        for start in range(0, xyz.shape[0], step):
+            labels[start : start + step] = cp.argmax(
+                xyz[start : start + step] @ centroids.T, axis=1
+            )
+        return labels
+
+    def _cluster_sums(self, labels: cp.ndarray, wxyz: cp.ndarray, k: int) -> cp.ndarray:
+        sums = cp.zeros((k, 3), dtype=cp.float64)
+        step, clusters = self._steps_k(k), cp.arange(k, dtype=cp.int32)
+        for start in range(0, wxyz.shape[0], step):
+            one_hot = (labels[start : start + step, None] == clusters[None, :]).astype(cp.float64)
+            sums += one_hot.T @ wxyz[start : start + step]
+        return sums
 
 
 def _unit(lat: np.ndarray, lon: np.ndarray) -> np.ndarray:

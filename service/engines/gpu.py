@@ -27,7 +27,7 @@ in float64 and ranked by (squared chord, row), so answers equal the float64 refe
 
 Distance matrices are one fused kernel (float32 or float64); k-means assigns and
 accumulates in one kernel per iteration with deterministic fixed-point sums, seeded by
-the shared k-means++ of ``spherical_kmeans`` so that CPU and GPU start alike.
+the k-means++ of ``spherical_kmeans`` (fused, the same draws) so CPU and GPU start alike.
 
 This module imports CuPy: the engine registry imports it only when the GPU engine is
 asked for.
@@ -53,10 +53,8 @@ from geonear.service.engines.base import (
     RadiusNeighbours,
 )
 from geonear.service.engines.gpu_kernels import SOURCE
-from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
-    angle_between,
     chord_for_distance,
     unit_vectors_to_latlon,
 )
@@ -65,8 +63,9 @@ from geonear.service.geometry import (
 LEAF_SIZE = 16
 #: Children per node; fixed at compile time in the kernels.
 FANOUT = 8
-#: k values with a compiled register top-k; a query's k runs in the smallest that fits.
-REGISTER_K = (1, 2, 4, 8, 16, 32, 64, 128)
+#: k values with a compiled register top-k; a query's k runs in the smallest that fits
+#: (10, the usual k, has its own: fewer registers, more queries in flight).
+REGISTER_K = (1, 2, 4, 8, 10, 16, 24, 32, 64, 128)
 MAX_TREE_K = REGISTER_K[-1]
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
@@ -380,7 +379,7 @@ class GPUIndex(PointIndex):
         best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
         for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
             rng = np.random.default_rng(child)
-            start = seed_kmeans_plus_plus(self.xyz, k, w, rng, cp)
+            start = self.seed_kmeans_plus_plus(k, w, rng)
             centroids, n_iter = self.lloyd(start, weights=w, max_iter=max_iter, tol=tol)
             labels, inertia = self.assign(centroids, weights=w)
             if best is None or inertia < best[0]:
@@ -397,6 +396,32 @@ class GPUIndex(PointIndex):
             n_iter=n_iter,
         )
 
+    def seed_kmeans_plus_plus(
+        self, k: int, weights: cp.ndarray | None, rng: np.random.Generator
+    ) -> cp.ndarray:
+        """k initial centroids (k, 3): ``spherical_kmeans.seed_kmeans_plus_plus`` fused.
+
+        The same draws from ``rng`` against the same distributions (up to float64
+        rounding), with the squared angles to the nearest centre and their weighted
+        masses updated in one kernel per centre.
+        """
+        n = self.n_points
+        w_null = _NULL if weights is None else weights
+        by_weight = cp.cumsum(cp.ones(n) if weights is None else weights)
+        nearest = cp.empty(n, dtype=cp.float64)
+        mass = cp.empty(n, dtype=cp.float64)
+        chosen = [_draw(by_weight, rng)]
+        fn = _fn("kmeanspp_nearest")
+        for i in range(1, k + 1):
+            args = (self.xyz, w_null, np.int64(n), np.int64(chosen[-1]), np.int32(i == 1))
+            fn((_blocks(n, 256),), (256,), (*args, nearest, mass))
+            if i == k:
+                break
+            cumulative = cp.cumsum(mass)
+            # With fewer distinct points than clusters every distance is 0: draw by weight.
+            chosen.append(_draw(cumulative if float(cumulative[-1]) > 0.0 else by_weight, rng))
+        return self.xyz[cp.asarray(np.array(chosen, dtype=np.int64))].copy()
+
     def lloyd(
         self,
         centroids: cp.ndarray,
@@ -411,7 +436,7 @@ class GPUIndex(PointIndex):
         centroid moves more than ``tol`` radians; empty clusters keep their centroid.
         """
         n, k = self.n_points, int(centroids.shape[0])
-        centroids = cp.ascontiguousarray(centroids, dtype=cp.float64)
+        centroids = cp.array(centroids, dtype=cp.float64, order="C")  # updated in place
         total_weight = float(n) if weights is None else float(cp.abs(weights).sum())
         # Fixed point: the sum of all |w x| times scale stays below 2**62.
         scale = 2.0 ** (61 - max(0, math.ceil(math.log2(max(total_weight, 1.0)))))
@@ -420,7 +445,8 @@ class GPUIndex(PointIndex):
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         grid = min(_blocks(n, 256), sms * 8)
         sums = cp.empty((k, 3), dtype=cp.uint64)
-        step = _fn("kmeans_assign_accumulate")
+        shift = cp.empty(k, dtype=cp.float64)
+        step, update = _fn("kmeans_assign_accumulate"), _fn("kmeans_update")
         n_iter = 0
         for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
             sums.fill(0)
@@ -439,14 +465,10 @@ class GPUIndex(PointIndex):
                 ),
                 shared_mem=shared,
             )
-            total = sums.view(cp.int64).astype(cp.float64) / scale
-            norms = cp.sqrt((total * total).sum(axis=1))
-            empty = norms == 0
-            new = total / cp.where(empty, 1.0, norms)[:, None]
-            new = cp.where(empty[:, None], centroids, new)
-            shift = float(cp.max(angle_between(centroids, new, xp=cp)))
-            centroids = new
-            if shift <= tol:
+            update(
+                (_blocks(k),), (_THREADS,), (sums, np.float64(scale), np.int32(k), centroids, shift)
+            )
+            if float(shift.max()) <= tol:
                 break
         return centroids, n_iter
 
@@ -472,6 +494,13 @@ class GPUIndex(PointIndex):
             ),
         )
         return labels, float(sq.sum())
+
+
+def _draw(cumulative: cp.ndarray, rng: np.random.Generator) -> int:
+    """Index drawn with probability proportional to the increments of ``cumulative``."""
+    target = rng.random() * float(cumulative[-1])
+    idx = int(cp.searchsorted(cumulative, cp.asarray(target), side="right"))
+    return min(idx, int(cumulative.shape[0]) - 1)
 
 
 def _sort_segments(

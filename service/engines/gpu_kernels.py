@@ -43,11 +43,13 @@ __device__ __forceinline__ float prune_threshold(double w) {
 }
 
 // Great-circle metres between unit vectors (the atan2 form, exact at every separation).
+// The cross product is rounded product by product (no fused multiply-add), so that a
+// point and itself are exactly 0 m apart, as in the float64 reference.
 __device__ __forceinline__ double metres(double ax, double ay, double az, double bx,
                                          double by, double bz, double radius) {
-    double cx = ay * bz - az * by;
-    double cy = az * bx - ax * bz;
-    double cz = ax * by - ay * bx;
+    double cx = __dsub_rn(__dmul_rn(ay, bz), __dmul_rn(az, by));
+    double cy = __dsub_rn(__dmul_rn(az, bx), __dmul_rn(ax, bz));
+    double cz = __dsub_rn(__dmul_rn(ax, by), __dmul_rn(ay, bx));
     double dot = ax * bx + ay * by + az * bz;
     return radius * atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
 }
@@ -384,6 +386,24 @@ extern "C" __global__ void radius_search(
 // ---------------------------------------------------------------------------------
 #define MATRIX_ROWS 16
 
+__device__ __forceinline__ float asin_of(float x) { return asinf(x); }
+__device__ __forceinline__ double asin_of(double x) { return asin(x); }
+
+// Central angle from the chord |a - b| and the antichord |a + b| (c^2 + s^2 = 4):
+// 2 asin(c / 2) up to a right angle, pi - 2 asin(s / 2) beyond, so asin never sees an
+// argument above sin(pi / 4) and stays accurate at every separation, antipodes included;
+// cheaper than atan2 (no division). Identical points give exactly 0.
+template <typename T>
+__device__ __forceinline__ T central_angle(T ax, T ay, T az, T bx, T by, T bz) {
+    T dx = ax - bx, dy = ay - by, dz = az - bz;
+    T sx = ax + bx, sy = ay + by, sz = az + bz;
+    T c2 = dx * dx + dy * dy + dz * dz;
+    T s2 = sx * sx + sy * sy + sz * sz;
+    const T pi = (T)3.141592653589793;
+    return c2 <= s2 ? (T)2 * asin_of(sqrt(c2) * (T)0.5)
+                    : pi - (T)2 * asin_of(sqrt(s2) * (T)0.5);
+}
+
 template <typename T>
 __global__ void distance_matrix(const T* __restrict__ a, const T* __restrict__ b,
                                 long long m, long long n, long long row0, T radius,
@@ -396,12 +416,8 @@ __global__ void distance_matrix(const T* __restrict__ a, const T* __restrict__ b
     for (int r = 0; r < MATRIX_ROWS; ++r) {
         long long i = i0 + r;
         if (i >= m) break;
-        const T ax = a[3 * i], ay = a[3 * i + 1], az = a[3 * i + 2];
-        T cx = ay * bz - az * by;
-        T cy = az * bx - ax * bz;
-        T cz = ax * by - ay * bx;
-        T dot = ax * bx + ay * by + az * bz;
-        out[(i - row0) * n + j] = radius * atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
+        out[(i - row0) * n + j] =
+            radius * central_angle(a[3 * i], a[3 * i + 1], a[3 * i + 2], bx, by, bz);
     }
 }
 
@@ -455,6 +471,48 @@ extern "C" __global__ void kmeans_assign_accumulate(
             if (acc[j] != 0ULL) atomicAdd(&sums[j], acc[j]);
         }
     }
+}
+
+// One thread per cluster: normalised mean from the fixed-point sums (an empty cluster
+// keeps its centroid), updated in place, and the angle it moved (atan2 form), radians.
+extern "C" __global__ void kmeans_update(const unsigned long long* __restrict__ sums,
+                                         double scale, int k, double* __restrict__ cent,
+                                         double* __restrict__ shift) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= k) return;
+    double x = (double)(long long)sums[3 * c] / scale;
+    double y = (double)(long long)sums[3 * c + 1] / scale;
+    double z = (double)(long long)sums[3 * c + 2] / scale;
+    double norm = sqrt(x * x + y * y + z * z);
+    if (norm == 0.0) {
+        shift[c] = 0.0;
+        return;
+    }
+    x /= norm;
+    y /= norm;
+    z /= norm;
+    shift[c] = metres(cent[3 * c], cent[3 * c + 1], cent[3 * c + 2], x, y, z, 1.0);
+    cent[3 * c] = x;
+    cent[3 * c + 1] = y;
+    cent[3 * c + 2] = z;
+}
+
+// k-means++ step: squared angle of every point to its nearest chosen centre, updated
+// with centre `c` (first: set), and its weight times that, to be summed into the
+// distribution of the next draw.
+extern "C" __global__ void kmeanspp_nearest(const double* __restrict__ xyz,
+                                            const double* __restrict__ weights, long long n,
+                                            long long c, int first,
+                                            double* __restrict__ nearest_sq,
+                                            double* __restrict__ mass) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double a = metres(xyz[3 * i], xyz[3 * i + 1], xyz[3 * i + 2], xyz[3 * c], xyz[3 * c + 1],
+                      xyz[3 * c + 2], 1.0);
+    double a2 = a * a;
+    double near = first ? a2 : fmin(nearest_sq[i], a2);
+    nearest_sq[i] = near;
+    mass[i] = (weights != nullptr ? weights[i] : 1.0) * near;
 }
 
 // Final labels and each point's weighted squared great-circle metres to its centroid.
