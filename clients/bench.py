@@ -47,7 +47,7 @@ from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 from geonear.service.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 
 OPS = ("knn", "radius", "matrix", "kmeans", "build")
-DATA_KINDS = ("uniform", "clustered", "airports", "cities")
+DATA_KINDS = ("uniform", "clustered", "airports", "cities", "cities1000")
 DTYPES = ("float64", "float32")
 #: The scikit-learn KMeans baseline of ``--op kmeans`` (not an engine of the service).
 SKLEARN_KMEANS = "sklearn-kmeans"

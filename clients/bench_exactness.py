@@ -68,16 +68,24 @@ def knn_exactness(out: Neighbours, ref: Neighbours, *, data: Any, **_: Any) -> t
     wrong = int((got_valid & ~right).sum())
     kk = min(got_i.shape[1], ref_i.shape[1])
     with np.errstate(invalid="ignore"):  # inf - inf where both are missing
-        same = (got_i[:, :kk] == ref_i[:, :kk]) | (
-            np.abs(true_d[:, :kk] - ref_d[:, :kk]) <= TIE_M
-        )
+        same = (got_i[:, :kk] == ref_i[:, :kk]) | (np.abs(true_d[:, :kk] - ref_d[:, :kk]) <= TIE_M)
         rank_gap = np.abs(got_d[:, :kk] - ref_d[:, :kk])
     order = float(same.sum() / ref_i.size) if ref_i.size else 1.0
     max_error_m = _max_error(np.abs(got_d - true_d)[got_valid], rank_gap)
-    metrics = {"queries_checked": r, "recall": recall, "order_agreement": order,
-               "wrong_rows": wrong, "max_distance_error_m": max_error_m}
-    exact = (out.indices.shape[1] == ref.indices.shape[1] and recall == 1.0 and order == 1.0
-             and wrong == 0 and max_error_m <= TIE_M)
+    metrics = {
+        "queries_checked": r,
+        "recall": recall,
+        "order_agreement": order,
+        "wrong_rows": wrong,
+        "max_distance_error_m": max_error_m,
+    }
+    exact = (
+        out.indices.shape[1] == ref.indices.shape[1]
+        and recall == 1.0
+        and order == 1.0
+        and wrong == 0
+        and max_error_m <= TIE_M
+    )
     return metrics, bool(exact)
 
 
@@ -87,9 +95,18 @@ def _first_queries(res: RadiusNeighbours, r: int) -> tuple[np.ndarray, ...]:
     end = int(offsets[-1])
     query = np.repeat(np.arange(r, dtype=np.int64), np.diff(offsets))
     rank = np.arange(end, dtype=np.int64) - offsets[query]
-    return query, rank, np.asarray(res.indices[:end], np.int64), np.asarray(
-        res.distances_m[:end], float
+    return (
+        query,
+        rank,
+        np.asarray(res.indices[:end], np.int64),
+        np.asarray(res.distances_m[:end], float),
     )
+
+
+def _mean_neighbours(res: RadiusNeighbours) -> float:
+    """Neighbours per query over all the queries an engine answered."""
+    n_q = res.offsets.shape[0] - 1
+    return float(res.offsets[-1] / n_q) if n_q else 0.0
 
 
 def radius_exactness(
@@ -119,9 +136,14 @@ def radius_exactness(
     order = float(same.sum() / rd.size) if rd.size else 1.0
     rank_gap = np.abs(gd[at] - rd)[matched] if gi.size else np.zeros(0)
     max_error_m = _max_error(np.abs(gd - true_d), rank_gap)
-    metrics = {"queries_checked": r, "recall": recall, "order_agreement": order,
-               "wrong_rows": wrong, "max_distance_error_m": max_error_m,
-               "mean_neighbours": float(rd.size / r) if r else 0.0}
+    metrics = {
+        "queries_checked": r,
+        "recall": recall,
+        "order_agreement": order,
+        "wrong_rows": wrong,
+        "max_distance_error_m": max_error_m,
+        "mean_neighbours": _mean_neighbours(out),
+    }
     exact = recall == 1.0 and order == 1.0 and wrong == 0 and max_error_m <= TIE_M
     return metrics, bool(exact)
 
@@ -133,8 +155,7 @@ def matrix_exactness(
     r = min(ref.shape[0], out.shape[0])
     tolerance = TIE_M if config.dtype == "float64" else FLOAT32_MATRIX_TOLERANCE_M
     if out.shape[1:] != ref.shape[1:]:
-        return {"rows_checked": r, "max_abs_error_m": float("inf"),
-                "tolerance_m": tolerance}, False
+        return {"rows_checked": r, "max_abs_error_m": float("inf"), "tolerance_m": tolerance}, False
     error = np.abs(np.asarray(out[:r], dtype=np.float64) - ref[:r])
     max_error_m = float(np.nanmax(error, initial=0.0)) if not np.isnan(error).any() else np.inf
     metrics = {"rows_checked": r, "max_abs_error_m": max_error_m, "tolerance_m": tolerance}
@@ -163,8 +184,10 @@ def kmeans_exactness(
 
 def build_metrics(out: Any, ref: Any, *, index: Any, **_: Any) -> tuple[dict, None]:
     """Memory held by a built index (exactness does not apply to a build)."""
-    return {"host_mib": index.host_bytes / 2**20,
-            "device_mib": getattr(index, "device_bytes", 0) / 2**20}, None
+    return {
+        "host_mib": index.host_bytes / 2**20,
+        "device_mib": getattr(index, "device_bytes", 0) / 2**20,
+    }, None
 
 
 #: The check of each operation.

@@ -30,13 +30,23 @@ FORMAT = "geonear-bench/1"
 
 #: Exactness columns per op: (heading, key in ``exactness``, format).
 _EXACTNESS_COLUMNS: dict[str, list[tuple[str, str, str]]] = {
-    "knn": [("recall", "recall", "{:.4f}"), ("order", "order_agreement", "{:.4f}"),
-            ("max err m", "max_distance_error_m", "{:.2g}")],
-    "radius": [("recall", "recall", "{:.4f}"), ("order", "order_agreement", "{:.4f}"),
-               ("max err m", "max_distance_error_m", "{:.2g}")],
+    "knn": [
+        ("recall", "recall", "{:.4f}"),
+        ("order", "order_agreement", "{:.4f}"),
+        ("max err m", "max_distance_error_m", "{:.2g}"),
+    ],
+    "radius": [
+        ("found/query", "mean_neighbours", "{:.3g}"),
+        ("recall", "recall", "{:.4f}"),
+        ("order", "order_agreement", "{:.4f}"),
+        ("max err m", "max_distance_error_m", "{:.2g}"),
+    ],
     "matrix": [("max err m", "max_abs_error_m", "{:.2g}")],
-    "kmeans": [("iters", "n_iter", "{}"), ("inertia Δ", "inertia_rel_diff", "{:.2g}"),
-               ("labels =", "label_agreement", "{:.4f}")],
+    "kmeans": [
+        ("iters", "n_iter", "{}"),
+        ("inertia Δ", "inertia_rel_diff", "{:.2g}"),
+        ("labels =", "label_agreement", "{:.4f}"),
+    ],
     "build": [("host MiB", "host_mib", "{:,.1f}"), ("device MiB", "device_mib", "{:,.1f}")],
 }
 
@@ -84,16 +94,32 @@ def _memory_gib() -> float | None:
 
 def machine(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The host of the run; GPUs as described by the GPU engines that ran."""
-    gpus = sorted({r["device"] for r in results if r["status"] == "ok"
-                   and r["device"] and not r["device"].startswith("cpu")})
+    gpus = sorted(
+        {
+            r["device"]
+            for r in results
+            if r["status"] == "ok" and r["device"] and not r["device"].startswith("cpu")
+        }
+    )
     memory = _memory_gib()
-    return {"platform": platform.platform(), "processor": _processor(), "cpus": os.cpu_count(),
-            "memory_gib": None if memory is None else round(memory, 1), "gpus": gpus}
+    return {
+        "platform": platform.platform(),
+        "processor": _processor(),
+        "cpus": os.cpu_count(),
+        "memory_gib": None if memory is None else round(memory, 1),
+        "gpus": gpus,
+    }
 
 
 def results_document(**parts: Any) -> dict[str, Any]:
-    return {"format": FORMAT, "created_unix_s": time.time(), "command": parts.pop("command"),
-            "machine": machine(parts["results"]), "versions": versions(), **parts}
+    return {
+        "format": FORMAT,
+        "created_unix_s": time.time(),
+        "command": parts.pop("command"),
+        "machine": machine(parts["results"]),
+        "versions": versions(),
+        **parts,
+    }
 
 
 def write_json(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -114,6 +140,8 @@ def _finite(value: Any) -> Any:
 def _seconds(value: float | None) -> str:
     if value is None:
         return ""
+    if value >= 1000:
+        return f"{value:,.0f}"
     return f"{value:.3g}" if value >= 0.001 else f"{value:.2e}"
 
 
@@ -127,14 +155,27 @@ def _rate(value: float | None) -> str:
 
 
 def _speedup(value: float | None) -> str:
-    return "" if value is None else f"{value:.3g}x"
+    if value is None:
+        return ""
+    return f"{value:.3g}x" if value >= 0.001 else f"{value:.1e}x"
 
 
 def _headings(doc: dict[str, Any]) -> list[str]:
     unit = doc["throughput_unit"]
     columns = _EXACTNESS_COLUMNS[doc["config"]["op"]]
-    return ["engine", "build s", "cold s", "warm min s", "warm med s", unit,
-            "vs sklearn", "vs cpu", *(c[0] for c in columns), "exact", "note"]
+    return [
+        "engine",
+        "build s",
+        "cold s",
+        "warm min s",
+        "warm med s",
+        unit,
+        "vs sklearn",
+        "vs cpu",
+        *(c[0] for c in columns),
+        "exact",
+        "note",
+    ]
 
 
 def _cells(doc: dict[str, Any], row: dict[str, Any]) -> list[str]:
@@ -148,10 +189,19 @@ def _cells(doc: dict[str, Any], row: dict[str, Any]) -> list[str]:
         value = exactness.get(key)
         checks.append("" if value is None else fmt.format(value))
     exact = {True: "yes", False: "NO", None: "n/a"}[row["exact"]]
-    return [row["engine"], _seconds(row["build_s"]), _seconds(row["cold_s"]),
-            _seconds(row["warm_min_s"]), _seconds(row["warm_median_s"]), _rate(row["throughput"]),
-            _speedup(row["speedup_vs_sklearn"]), _speedup(row["speedup_vs_cpu"]), *checks, exact,
-            "; ".join(row["notes"])]
+    return [
+        row["engine"],
+        _seconds(row["build_s"]),
+        _seconds(row["cold_s"]),
+        _seconds(row["warm_min_s"]),
+        _seconds(row["warm_median_s"]),
+        _rate(row["throughput"]),
+        _speedup(row["speedup_vs_sklearn"]),
+        _speedup(row["speedup_vs_cpu"]),
+        *checks,
+        exact,
+        "; ".join(row["notes"]),
+    ]
 
 
 def _notes(doc: dict[str, Any]) -> list[str]:
@@ -159,12 +209,16 @@ def _notes(doc: dict[str, Any]) -> list[str]:
     notes = []
     data = doc["data"]
     if doc["config"]["op"] in ("knn", "radius", "matrix"):
-        notes.append(f"exactness checked on the first {data['ref_queries']:,} queries against "
-                     "the float64 reference (numpy-brute's great-circle formula)")
+        notes.append(
+            f"exactness checked on the first {data['ref_queries']:,} queries against "
+            "the float64 reference (numpy-brute's great-circle formula)"
+        )
     if doc["config"]["op"] == "kmeans":
-        notes.append("every row starts from the same k-means++ centres; inertia Δ and labels "
-                     "are against the cpu engine; sklearn-kmeans is Euclidean KMeans(n_init=1) "
-                     "on unit vectors, timed with the seeding")
+        notes.append(
+            "every row starts from the same k-means++ centres; inertia Δ and labels "
+            "are against the cpu engine; sklearn-kmeans is Euclidean KMeans(n_init=1) "
+            "on unit vectors, timed with the seeding"
+        )
     return notes
 
 
@@ -191,8 +245,12 @@ def print_table(doc: dict[str, Any], console: Any) -> None:
     headings = _headings(doc)
     for i, heading in enumerate(headings):
         last = i == len(headings) - 1
-        table.add_column(heading, justify="left" if i == 0 or last else "right",
-                         no_wrap=not last, overflow="fold")
+        table.add_column(
+            heading,
+            justify="left" if i == 0 or last else "right",
+            no_wrap=not last,
+            overflow="fold",
+        )
     for row in doc["results"]:
         style = "red" if row["exact"] is False else ("dim" if row["status"] != "ok" else None)
         # Text, not markup: reasons hold brackets such as "geonear[gpu]".
@@ -214,10 +272,18 @@ def markdown(doc: dict[str, Any]) -> str:
     """A section for docs/benchmarks.md: the title, the command, the machine and the table."""
     headings = _headings(doc)
     when = time.strftime("%Y-%m-%d", time.gmtime(doc["created_unix_s"]))
-    lines = [f"### {title(doc)}", "", "```", doc["command"], "```", "",
-             f"Machine ({when}): {_machine_line(doc)}", "",
-             "| " + " | ".join(headings) + " |",
-             "|" + "|".join(["---", *["---:"] * (len(headings) - 1)]) + "|"]
+    lines = [
+        f"### {title(doc)}",
+        "",
+        "```",
+        doc["command"],
+        "```",
+        "",
+        f"Machine ({when}): {_machine_line(doc)}",
+        "",
+        "| " + " | ".join(headings) + " |",
+        "|" + "|".join(["---", *["---:"] * (len(headings) - 2), "---"]) + "|",
+    ]
     for row in doc["results"]:
         lines.append("| " + " | ".join(_cells(doc, row)) + " |")
     lines.append("")

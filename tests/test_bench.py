@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ class ShiftedIndex(KDTreeIndex):
 
     def radius(self, lat: Any, lon: Any, radius_m: float) -> RadiusNeighbours:
         right = super().radius(lat, lon, radius_m)
-        return RadiusNeighbours(right.offsets, (right.indices + 1) % self.n_points,
-                                right.distances_m)
+        return RadiusNeighbours(
+            right.offsets, (right.indices + 1) % self.n_points, right.distances_m
+        )
 
     def kmeans(self, k: int, **kwargs: Any) -> Any:
         return super().kmeans(k, **{**kwargs, "seed": kwargs.get("seed", 0) + 1})
@@ -67,10 +69,11 @@ def _rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["engine"]: row for row in doc["results"]}
 
 
-def _parse(*argv: str) -> argparse.Namespace:
+def _parse(command: str, *more: str) -> argparse.Namespace:
+    """Arguments parsed by bench's own parser from a command line (plus ``more`` words)."""
     parser = argparse.ArgumentParser(prog="geonear bench")
     bench.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return parser.parse_args([*shlex.split(command), *more])
 
 
 @pytest.mark.parametrize(
@@ -130,8 +133,10 @@ def test_cpu_engines_are_exact_and_timed(op: str, options: dict[str, Any]) -> No
     ],
 )
 def test_a_wrong_engine_is_flagged(op: str, options: dict[str, Any], column: str) -> None:
-    doc = run_benchmark(BenchConfig(op=op, engines=("cpu",), **SMALL, **options),
-                        extra_engines={"wrong": WrongEngine()})
+    doc = run_benchmark(
+        BenchConfig(op=op, engines=("cpu",), **SMALL, **options),
+        extra_engines={"wrong": WrongEngine()},
+    )
     rows = _rows(doc)
     assert rows["cpu"]["exact"] is True
     wrong = rows["wrong"]
@@ -149,8 +154,9 @@ def test_a_wrong_engine_is_flagged(op: str, options: dict[str, Any], column: str
 
 
 def test_brute_force_engines_run_on_a_subset_and_are_scaled() -> None:
-    doc = run_benchmark(BenchConfig(op="knn", engines=("cpu", "numpy-brute"), brute_pairs=250_000,
-                                    **SMALL))
+    doc = run_benchmark(
+        BenchConfig(op="knn", engines=("cpu", "numpy-brute"), brute_pairs=250_000, **SMALL)
+    )
     brute = _rows(doc)["numpy-brute"]
     assert brute["queries_run"] == 50  # 250,000 pairs / 5,000 points
     assert brute["scale"] == pytest.approx(4.0)
@@ -189,9 +195,8 @@ def test_bad_settings_fail_naming_the_choices() -> None:
 def test_run_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, md = tmp_path / "bench.json", tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n\n")
-    args = _parse("--op", "knn", "--n", "3000", "--queries", "100", "-k", "4", "--data",
-                  "airports", "--engines", "cpu,sklearn", "--repeat", "2", "--json", str(out),
-                  "--markdown", str(md))
+    argv = "--op knn --n 3000 --queries 100 -k 4 --data airports --engines cpu,sklearn"
+    args = _parse(argv, "--repeat", "2", "--json", str(out), "--markdown", str(md))
     assert bench.run(args) == 0
     doc = json.loads(out.read_text())
     assert doc["format"] == "geonear-bench/1"
@@ -209,8 +214,7 @@ def test_run_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_markdown_without_a_path_goes_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parse("--op", "build", "--n", "2000", "--engines", "cpu", "--repeat", "1",
-                  "--markdown")
+    args = _parse("--op build --n 2000 --engines cpu --repeat 1 --markdown")
     assert bench.run(args) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("### build · uniform")
@@ -219,14 +223,45 @@ def test_markdown_without_a_path_goes_to_stdout(capsys: pytest.CaptureFixture[st
 
 
 def test_the_command_line_of_a_config_parses_back_to_it() -> None:
-    config = BenchConfig(op="radius", n=1234, queries=56, radius_m=7500.0, data="clustered",
-                         engines=("cpu", "sklearn"), seed=3, repeat=2, ref_queries=9)
-    argv = config.command().split()[2:]
-    assert bench.config_from_args(_parse(*argv)) == config
+    config = BenchConfig(
+        op="radius",
+        n=1234,
+        queries=56,
+        radius_m=7500.0,
+        data="clustered",
+        engines=("cpu", "sklearn"),
+        seed=3,
+        repeat=2,
+        ref_queries=9,
+    )
+    command = config.command()
+    assert command.startswith("geonear bench ")
+    assert bench.config_from_args(_parse(command.removeprefix("geonear bench "))) == config
+
+
+def test_geonear_bench_runs_from_the_command_line(tmp_path: Path) -> None:
+    from geonear.clients.cli import main
+
+    out = tmp_path / "cities.json"
+    argv = "bench --op radius --data cities --n 4000 --queries 50 --radius-m 50000 --engines cpu"
+    argv = [*shlex.split(argv), "--repeat", "1", "--json", str(out)]
+    assert main(argv) == 0
+    [row] = json.loads(out.read_text())["results"]
+    assert row["engine"] == "cpu" and row["exact"] is True
+    # The installed entry point runs the same command in a fresh process.
+    result = subprocess.run(
+        [sys.executable, "-m", "geonear", *argv[:-1], str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "radius · cities" in result.stdout
 
 
 def test_importing_bench_does_not_import_cupy() -> None:
     code = "import sys, geonear.clients.bench; print('cupy' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "False"
