@@ -3,7 +3,8 @@
 One interceptor rather than one per concern, because each layer of gRPC interception
 wraps every call again; here a call costs one dictionary lookup for its wrapped handler
 (built once per method), a token check when tokens are configured, and the bookkeeping
-of the wrapper itself (measured in docs/errors.md's companion README section "Metrics").
+of the wrapper itself: about 5 µs per call for admission and metrics, 4 µs more for
+tokens and 15 µs more for the log line, on a 2-core machine (README, "Metrics and logs").
 
 For every GeoNear call, in order:
 

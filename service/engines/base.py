@@ -14,7 +14,6 @@ than 1 mm, and distances within 1 mm of the reference's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -123,12 +122,13 @@ class PointIndex(ABC):
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-6,
-        should_stop: Callable[[], bool] | None = None,
     ) -> KMeansResult:
         """Spherical k-means of the indexed points (see ``spherical_kmeans``).
 
-        ``should_stop``, when given, is checked between Lloyd iterations; when it returns
-        True the engine raises ``spherical_kmeans.KMeansStopped``.
+        Long runs stop when the caller goes away: the query layer sets a stop check for
+        the thread (``spherical_kmeans.stopping_when``); ``spherical_kmeans`` checks it
+        between Lloyd iterations, and an engine with its own loop calls
+        ``spherical_kmeans.check_stop()`` there. Either raises ``KMeansStopped``.
         """
 
 

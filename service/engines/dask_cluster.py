@@ -27,7 +27,6 @@ import json
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from geonear.service.engines.base import (
     sort_neighbours,
     sort_radius,
 )
-from geonear.service.engines.spherical_kmeans import KMeansStopped, seed_kmeans_plus_plus
+from geonear.service.engines.spherical_kmeans import check_stop, seed_kmeans_plus_plus
 from geonear.service.errors import ServiceError
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
@@ -331,7 +330,6 @@ class DaskIndex(PointIndex):
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-6,
-        should_stop: Callable[[], bool] | None = None,
     ) -> KMeansResult:
         """Spherical k-means with the single-process definition (spherical_kmeans)."""
         if not 1 <= k <= self.n_points:
@@ -340,13 +338,10 @@ class DaskIndex(PointIndex):
         w_future = None if weights is None else self.client.scatter(weights, broadcast=True)
         best: tuple[float, np.ndarray, int] | None = None
         for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
-            centroids = seed_kmeans_plus_plus(
-                xyz, k, weights, np.random.default_rng(child), np, should_stop
-            )
+            centroids = seed_kmeans_plus_plus(xyz, k, weights, np.random.default_rng(child), np)
             n_iter = 0
             for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
-                if should_stop is not None and should_stop():
-                    raise KMeansStopped("k-means was stopped: the call was cancelled")
+                check_stop()  # the caller's, set by the query layer (stopping_when)
                 partial = self._gather(
                     [
                         self.client.submit(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from geonear.service.engines.base import (
@@ -121,7 +119,6 @@ class HostIndex(PointIndex):
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-6,
-        should_stop: Callable[[], bool] | None = None,
     ) -> KMeansResult:
         return spherical_kmeans(
             self.xyz,
@@ -133,7 +130,6 @@ class HostIndex(PointIndex):
             tol=tol,
             earth_radius_m=self.earth_radius_m,
             xp=np,
-            should_stop=should_stop,
         )
 
 

@@ -13,12 +13,16 @@ radians. With ``n_init`` > 1, initialisation i uses the i-th child of
 
 Long runs can be stopped: ``should_stop`` (a callable returning True when the caller
 has gone, e.g. its deadline passed) is checked between Lloyd iterations and between
-k-means++ draws, and :class:`KMeansStopped` is raised when it says so.
+k-means++ draws, and :class:`KMeansStopped` is raised when it says so. It is passed
+explicitly, or set for the calling thread with :func:`stopping_when`, which is how the
+query layer reaches every engine's k-means without a parameter in the engine interface.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +40,24 @@ class KMeansStopped(Exception):
     """``should_stop`` returned True: the caller no longer wants the answer."""
 
 
-def _check(should_stop: ShouldStop) -> None:
+_should_stop: contextvars.ContextVar[ShouldStop] = contextvars.ContextVar(
+    "geonear_kmeans_should_stop", default=None
+)
+
+
+@contextlib.contextmanager
+def stopping_when(should_stop: ShouldStop) -> Iterator[None]:
+    """Within the block, k-means in this thread stops once ``should_stop()`` is True."""
+    token = _should_stop.set(should_stop)
+    try:
+        yield
+    finally:
+        _should_stop.reset(token)
+
+
+def check_stop(should_stop: ShouldStop = None) -> None:
+    """Raise KMeansStopped when ``should_stop`` (or the thread's, see stopping_when) says so."""
+    should_stop = should_stop or _should_stop.get()
     if should_stop is not None and should_stop():
         raise KMeansStopped("k-means was stopped: the call was cancelled or its deadline passed")
 
@@ -86,7 +107,7 @@ def seed_kmeans_plus_plus(
     nearest_sq = angle_between(xyz, xyz[chosen[0]][None, :], xp=xp) ** 2
     for i in range(1, k):
         if i % 16 == 0:  # each draw is one pass over the points; check now and then
-            _check(should_stop)
+            check_stop(should_stop)
         mass = xp.cumsum(w * nearest_sq)
         # With fewer distinct points than clusters every distance is 0: draw by weight.
         idx = _draw(mass if float(mass[-1]) > 0.0 else xp.cumsum(w), rng, xp)
@@ -127,7 +148,7 @@ def lloyd(
     """Lloyd iterations from given centroids (k, 3); returns (centroids, labels, n_iter)."""
     n_iter = 0
     for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
-        _check(should_stop)
+        check_stop(should_stop)
         labels = _assign(xyz, centroids, xp)
         new = _update(xyz, labels, weights, centroids, xp)
         shift = float(xp.max(angle_between(centroids, new, xp=xp)))

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
 
-from geonear.service.engines import KMeansResult, PointIndex
-from geonear.service.engines.spherical_kmeans import KMeansStopped
+from geonear.service.engines import KMeansResult
+from geonear.service.engines.spherical_kmeans import KMeansStopped, stopping_when
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion, column_numpy
@@ -43,19 +41,13 @@ def kmeans(
             f"n_init={n_init}, max_iter={max_iter}, tol={tol}"
         )
     weights = _weights(dataset, weight_column) if weight_column else None
-    extra = {"should_stop": should_stop} if _can_stop(type(dataset.index)) else {}
     try:
-        return dataset.index.kmeans(
-            k, weights=weights, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol, **extra
-        )
+        with stopping_when(should_stop):
+            return dataset.index.kmeans(
+                k, weights=weights, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol
+            )
     except KMeansStopped as exc:
         raise Cancelled(str(exc)) from exc
-
-
-@functools.cache
-def _can_stop(index_type: type[PointIndex]) -> bool:
-    """Whether an engine's kmeans takes ``should_stop`` (an optional part of the interface)."""
-    return "should_stop" in inspect.signature(index_type.kmeans).parameters
 
 
 def _weights(dataset: DatasetVersion, name: str) -> np.ndarray:
