@@ -145,3 +145,31 @@ def test_health_goes_not_serving_at_shutdown_while_calls_finish(tmp_path) -> Non
     assert "error" not in result
     messages = result["messages"]
     assert isinstance(messages, list) and messages[0].summary.n_iter >= 1
+
+
+def test_sigterm_stops_the_server_process_gracefully(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "geonear", "serve", "--port", "0", "--memory-only",
+             "--backend", "cpu", "--metrics-port", "0"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    try:
+        stop = time.monotonic() + 60
+        while "listening on" not in log_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < stop, log_path.read_text()
+            time.sleep(0.02)
+        assert "metrics on http://127.0.0.1:" in log_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log_path.read_text()
+    assert "shutting down: NOT_SERVING" in text
+    assert text.rstrip().endswith("stopped")
