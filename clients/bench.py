@@ -58,8 +58,6 @@ DEFAULT_ENGINES = ("cpu", "sklearn", "numpy-brute", *GPU_ENGINE_NAMES)
 BRUTE_PAIRS: dict[str, float] = {"numpy-brute": 1e7, "cupy-broadcast": 1e10}
 #: (query, point) pairs of the float64 reference when ``ref_queries`` is not given.
 REFERENCE_PAIRS = 3e7
-#: The engine each speed-up column divides by, per op.
-SPEEDUP_BASELINES = {"sklearn": "sklearn", "cpu": "cpu"}
 #: What one unit of throughput counts, per op.
 WORK_UNITS = {
     "knn": "queries/s",
@@ -430,6 +428,8 @@ def run_benchmark(
     names = _engine_list(config, extra)
     data = make_data(config)
     rows: list[EngineResult] = []
+    if progress is not None:
+        progress(f"{config.op}: the float64 reference")
     reference = compute_reference(config, data)
     for name in names:
         if progress is not None:
