@@ -329,7 +329,9 @@ def _run_client(func: Callable[[Client, argparse.Namespace], int]) -> Callable[.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="geonear", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="geonear", description="geonear: geospatial nearest-neighbour analytics over gRPC."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _client_parser(sub, "datasets", "list the datasets", _run_client(_datasets))
@@ -369,33 +371,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iter", type=int, default=100)
     p.add_argument("--tol", type=float, default=1e-6)
     p.add_argument("--weights", default=None, help="numeric column holding point weights")
-    _add_optional_commands(sub)
+    _add_tool_commands(sub)
     return parser
 
 
-def _add_optional_commands(sub: Any) -> None:
-    """Commands whose modules live beside this one (bench, load test, loaders)."""
-    import importlib
+def _add_tool_commands(sub: Any) -> None:
+    """Commands whose modules live beside this one: bench, load test, loaders."""
+    from geonear.clients import bench, loadtest
+    from geonear.loaders import cli as loaders_cli
 
-    for module_name, command, help_text in (
-        ("geonear.clients.bench", "bench", "compare engines in one process on the same data"),
-        ("geonear.clients.loadtest", "loadtest", "drive running servers and report latency"),
-        ("geonear.loaders.cli", "load", "load a file or bundled data set into a server"),
-        ("geonear.loaders.cli", "generate", "write a synthetic point set to a file"),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        adder = getattr(module, f"add_{command}_arguments", None) or getattr(
-            module, "add_arguments", None
-        )
-        runner = getattr(module, f"run_{command}", None) or getattr(module, "run", None)
-        if adder is None or runner is None:
-            continue
+    commands: tuple[tuple[str, str, Callable[..., None], Callable[..., int]], ...] = (
+        (
+            "bench",
+            "compare engines in one process on the same data",
+            bench.add_arguments,
+            bench.run,
+        ),
+        (
+            "loadtest",
+            "drive running servers and report latency and throughput",
+            loadtest.add_loadtest_arguments,
+            loadtest.run_loadtest,
+        ),
+        (
+            "load",
+            "load a file or bundled data set into a server",
+            loaders_cli.add_load_arguments,
+            loaders_cli.run_load,
+        ),
+        (
+            "generate",
+            "write a synthetic point set to a file",
+            loaders_cli.add_generate_arguments,
+            loaders_cli.run_generate,
+        ),
+    )
+    for command, help_text, add_arguments, run in commands:
         p = sub.add_parser(command, help=help_text, description=help_text)
-        adder(p)
-        p.set_defaults(func=runner)
+        add_arguments(p)
+        p.set_defaults(func=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
