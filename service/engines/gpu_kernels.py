@@ -386,22 +386,19 @@ extern "C" __global__ void radius_search(
 // ---------------------------------------------------------------------------------
 #define MATRIX_ROWS 16
 
-__device__ __forceinline__ float asin_of(float x) { return asinf(x); }
-__device__ __forceinline__ double asin_of(double x) { return asin(x); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
-// Central angle from the chord |a - b| and the antichord |a + b| (c^2 + s^2 = 4):
-// 2 asin(c / 2) up to a right angle, pi - 2 asin(s / 2) beyond, so asin never sees an
-// argument above sin(pi / 4) and stays accurate at every separation, antipodes included;
-// cheaper than atan2 (no division). Identical points give exactly 0.
+// The atan2 form of the central angle, products rounded one by one in the cross
+// product (no fused multiply-add) so that identical points are exactly 0 apart. (An
+// asin form without the division measured about half as fast in float64 here.)
 template <typename T>
 __device__ __forceinline__ T central_angle(T ax, T ay, T az, T bx, T by, T bz) {
-    T dx = ax - bx, dy = ay - by, dz = az - bz;
-    T sx = ax + bx, sy = ay + by, sz = az + bz;
-    T c2 = dx * dx + dy * dy + dz * dz;
-    T s2 = sx * sx + sy * sy + sz * sz;
-    const T pi = (T)3.141592653589793;
-    return c2 <= s2 ? (T)2 * asin_of(sqrt(c2) * (T)0.5)
-                    : pi - (T)2 * asin_of(sqrt(s2) * (T)0.5);
+    T cx = mul_rn(ay, bz) - mul_rn(az, by);
+    T cy = mul_rn(az, bx) - mul_rn(ax, bz);
+    T cz = mul_rn(ax, by) - mul_rn(ay, bx);
+    T dot = ax * bx + ay * by + az * bz;
+    return atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
 }
 
 template <typename T>
