@@ -19,14 +19,24 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from geonear._wire import messages_to_table, points_to_message, table_to_messages
-from geonear.clients.errors import from_rpc_error
+from geonear._wire import (
+    compact_to_table,
+    messages_to_table,
+    points_to_message,
+    table_to_messages,
+)
+from geonear.clients.errors import ResourceExhausted, from_rpc_error
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "localhost:50051"
 #: Query points per request; larger query sets are split and the results joined.
 QUERY_CHUNK = 100_000
+#: KNN calls expecting at most this many rows (queries x k), without attribute columns,
+#: use the unary KnnCompact RPC: one message each way, no Arrow (the cheapest per call).
+COMPACT_ROWS = 4096
+#: Radius calls with at most this many queries try RadiusCompact first.
+COMPACT_RADIUS_QUERIES = 16
 _MODES = {"create": pb.CREATE, "replace": pb.REPLACE, "append": pb.APPEND}
 _MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -292,9 +302,25 @@ class Client:
 
     # -- queries -------------------------------------------------------------------------
     def _neighbour_query(
-        self, method: str, make_request: Any, lat: Any, lon: Any, as_arrow: bool
+        self,
+        method: str,
+        make_request: Any,
+        lat: Any,
+        lon: Any,
+        as_arrow: bool,
+        compact: bool = False,
     ) -> pd.DataFrame | pa.Table:
         lat_a, lon_a = _as_points(lat, lon)
+        if compact:
+            try:
+                found = self._call(
+                    method + "Compact", make_request(points_to_message(lat_a, lon_a))
+                )
+            except ResourceExhausted:
+                pass  # more rows than a compact answer holds: stream them instead
+            else:
+                table = compact_to_table(found)
+                return table if as_arrow else table.to_pandas()
         parts = []
         for start in range(0, max(1, lat_a.shape[0]), QUERY_CHUNK):
             points = points_to_message(
@@ -334,7 +360,9 @@ class Client:
                 columns=list(columns),
             )
 
-        return self._neighbour_query("Knn", request, lat, lon, as_arrow)
+        n_queries = np.size(lat)
+        compact = not columns and n_queries * k <= COMPACT_ROWS
+        return self._neighbour_query("Knn", request, lat, lon, as_arrow, compact)
 
     def radius(
         self,
@@ -353,7 +381,8 @@ class Client:
                 dataset=name, queries=points, radius_m=radius_m, columns=list(columns)
             )
 
-        return self._neighbour_query("Radius", request, lat, lon, as_arrow)
+        compact = not columns and np.size(lat) <= COMPACT_RADIUS_QUERIES
+        return self._neighbour_query("Radius", request, lat, lon, as_arrow, compact)
 
     def distance_matrix(
         self,

@@ -86,6 +86,29 @@ def messages_to_table(messages: Iterable[pb.ArrowData]) -> pa.Table:
     return pa.Table.from_batches(batches, schema=decoder.schema)
 
 
+def compact_to_table(found: pb.CompactNeighbours) -> pa.Table:
+    """A CompactNeighbours answer as the table Knn and Radius stream."""
+    ids = (
+        pa.array(found.string_ids, pa.string())
+        if found.string_ids
+        else pa.array(found.int_ids, pa.int64())
+    )
+    table = pa.table(
+        {
+            "query_index": pa.array(found.query_index, pa.int64()),
+            "rank": pa.array(found.rank, pa.int32()),
+            "id": ids,
+            "distance_m": pa.array(found.distance_m, pa.float64()),
+        }
+    )
+    return table.replace_schema_metadata(
+        {
+            "geonear.version": str(found.dataset_version),
+            "geonear.earth_radius_m": repr(found.earth_radius_m),
+        }
+    )
+
+
 def ipc_stream_bytes(table: pa.Table) -> bytes:
     """A complete Arrow IPC stream (schema and batches) as bytes."""
     sink = pa.BufferOutputStream()

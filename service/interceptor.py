@@ -47,6 +47,7 @@ OPEN_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 _ROWS: dict[type, Callable[[Any], int]] = {
     pb.ArrowData: lambda m: m.row_count,
+    pb.CompactNeighbours: lambda m: len(m.distance_m),
     pb.MatrixTile: lambda m: m.row_count * m.col_count,
     pb.KMeansResponse: lambda m: m.labels.row_count,
     pb.UploadResponse: lambda m: m.rows_received,

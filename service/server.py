@@ -37,23 +37,43 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GeoNear"].full_name
 
 
 def select_engine(settings: ServerSettings) -> tuple[Engine, str]:
-    """The engine for ``--backend``/``--engine`` and the backend name (cpu or gpu).
+    """The engine for ``--backend``/``--engine``/``--dask-*`` and the backend's name.
 
     auto: the GPU engine when CuPy sees a working device, else the CPU engine.
     gpu: the GPU engine or EngineUnavailable saying why not.
+    With a Dask scheduler or local workers: the Dask engine, its workers indexing with
+    the GPU engine on GPU hosts (unless --backend cpu) and the CPU engine otherwise.
     """
     radius = settings.earth_radius_m
     if settings.engine:
         engine = create_engine(settings.engine, radius)
         return engine, engine.device_kind
-    if settings.backend == "cpu":
-        return create_engine("cpu", radius), "cpu"
     ok, why = gpu_available()
     if settings.backend == "gpu" and not ok:
         raise EngineUnavailable(f"--backend gpu was asked for, but {why}")
+    if settings.dask_scheduler or settings.dask_local_workers:
+        worker_engine = "gpu" if ok and settings.backend != "cpu" else "cpu"
+        partitions = None if settings.data_dir is None else settings.data_dir / "_partitions"
+        engine = create_engine(
+            "dask",
+            radius,
+            scheduler=settings.dask_scheduler,
+            local_workers=settings.dask_local_workers or 1,
+            partition_dir=partitions,
+            worker_engine=worker_engine,
+        )
+        return engine, f"dask-{worker_engine}"
+    if settings.backend == "cpu":
+        return create_engine("cpu", radius), "cpu"
     if ok:
         try:
-            return create_engine("gpu", radius), "gpu"
+            gpu = create_engine(
+                "gpu",
+                radius,
+                pool_size_bytes=settings.gpu_pool_size_bytes,
+                managed_memory=settings.managed_memory,
+            )
+            return gpu, "gpu"
         except EngineUnavailable as exc:
             if settings.backend == "gpu":
                 raise

@@ -16,10 +16,12 @@ import pyarrow as pa
 
 from geonear import __version__
 from geonear._wire import BatchDecoder, WireError, points_from_message, table_to_messages
+from geonear.service.batching import Batcher
 from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
 from geonear.service.queries import kmeans as kmeans_query
+from geonear.service.queries.common import NeighbourRows
 from geonear.service.queries.knn import knn
 from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import radius
@@ -69,6 +71,21 @@ def _translate(context: grpc.ServicerContext) -> Iterator[None]:
         )
 
 
+#: Most result rows of a KnnCompact/RadiusCompact answer (about 1.5 MB of protobuf).
+COMPACT_MAX_ROWS = 65_536
+
+
+def _time_left_s(context: grpc.ServicerContext) -> float | None:
+    """Seconds until the call's deadline; None without one (gRPC then says ~forever)."""
+    left = context.time_remaining()
+    return None if left is None or left > 86_400 * 365 else max(0.0, left)
+
+
+def _refuse_columns(request: pb.KnnRequest | pb.RadiusRequest, rpc: str, streaming: str) -> None:
+    if request.columns:
+        raise InvalidInput(f"{rpc} returns no attribute columns; call {streaming} for them")
+
+
 def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
     min_lat, min_lon, max_lat, max_lon = d.bounding_box()
     return pb.DatasetInfo(
@@ -94,6 +111,11 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         self.limits = settings.limits
         self.engine: Engine = store.engine
         self.backend = backend
+        self.batcher = (
+            Batcher(settings.batch_max_points, settings.batch_max_delay_us)
+            if settings.batching
+            else None
+        )
 
     # -- datasets ------------------------------------------------------------------------
     def Upload(self, request_iterator, context):
@@ -180,38 +202,73 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
+    def _knn(self, request: pb.KnnRequest, context: grpc.ServicerContext) -> NeighbourRows:
+        lat, lon = points_from_message(request.queries)
+        return knn(
+            self.store.get(request.dataset),
+            lat,
+            lon,
+            int(request.k),
+            max_distance_m=request.max_distance_m if request.HasField("max_distance_m") else None,
+            columns=list(request.columns),
+            limits=self.limits,
+            batcher=self.batcher,
+            timeout_s=_time_left_s(context),
+        )
+
+    def _radius(self, request: pb.RadiusRequest, context: grpc.ServicerContext) -> NeighbourRows:
+        lat, lon = points_from_message(request.queries)
+        return radius(
+            self.store.get(request.dataset),
+            lat,
+            lon,
+            float(request.radius_m),
+            columns=list(request.columns),
+            limits=self.limits,
+            batcher=self.batcher,
+            timeout_s=_time_left_s(context),
+        )
+
     def Knn(self, request, context):
         with _translate(context):
-            dataset = self.store.get(request.dataset)
-            lat, lon = points_from_message(request.queries)
-            table = knn(
-                dataset,
-                lat,
-                lon,
-                int(request.k),
-                max_distance_m=request.max_distance_m
-                if request.HasField("max_distance_m")
-                else None,
-                columns=list(request.columns),
-                limits=self.limits,
-                earth_radius_m=self.engine.earth_radius_m,
+            yield from table_to_messages(
+                self._knn(request, context).table(self.engine.earth_radius_m)
             )
-            yield from table_to_messages(table)
 
     def Radius(self, request, context):
         with _translate(context):
-            dataset = self.store.get(request.dataset)
-            lat, lon = points_from_message(request.queries)
-            table = radius(
-                dataset,
-                lat,
-                lon,
-                float(request.radius_m),
-                columns=list(request.columns),
-                limits=self.limits,
-                earth_radius_m=self.engine.earth_radius_m,
+            found = self._radius(request, context)
+            yield from table_to_messages(found.table(self.engine.earth_radius_m))
+
+    def KnnCompact(self, request, context):
+        with _translate(context):
+            _refuse_columns(request, "KnnCompact", "Knn")
+            return self._compact(self._knn(request, context), "Knn")
+
+    def RadiusCompact(self, request, context):
+        with _translate(context):
+            _refuse_columns(request, "RadiusCompact", "Radius")
+            return self._compact(self._radius(request, context), "Radius")
+
+    def _compact(self, found: NeighbourRows, streaming_rpc: str) -> pb.CompactNeighbours:
+        if found.count > COMPACT_MAX_ROWS:
+            raise LimitExceeded(
+                f"{found.count} result rows exceed the {COMPACT_MAX_ROWS} of a compact "
+                f"answer; call {streaming_rpc}, which streams any number"
             )
-            yield from table_to_messages(table)
+        ids = found.ids()
+        response = pb.CompactNeighbours(
+            query_index=found.query_index.tolist(),
+            rank=found.rank.tolist(),
+            distance_m=found.distances_m.tolist(),
+            earth_radius_m=self.engine.earth_radius_m,
+            dataset_version=found.dataset.version,
+        )
+        if pa.types.is_integer(ids.type):
+            response.int_ids.extend(ids.to_numpy().tolist())
+        else:
+            response.string_ids.extend(ids.to_pylist())
+        return response
 
     def DistanceMatrix(self, request, context):
         with _translate(context):

@@ -89,6 +89,31 @@ class ServerSettings(BaseSettings):
     earth_radius_m: float = Field(EARTH_RADIUS_M, gt=0, description="sphere radius, metres")
     max_workers: int = Field(16, ge=1, description="threads serving RPCs")
     demo: bool = Field(False, description="load the bundled airports and cities at start")
+    # -- GPU memory (service/engines/gpu_memory.py) -----------------------------------
+    gpu_pool_size_bytes: int | None = Field(
+        None, ge=0, description="RMM/CuPy pool reserved at start; None: 80% of free memory"
+    )
+    managed_memory: bool = Field(
+        False, description="managed (unified) memory pool for sets larger than the card; slower"
+    )
+    # -- scale-out -------------------------------------------------------------------------
+    processes: int = Field(
+        1, ge=1, description="worker processes serving one port (SO_REUSEPORT); CPU hosts"
+    )
+    dask_scheduler: str | None = Field(
+        None, description="address of a Dask scheduler to partition datasets over"
+    )
+    dask_local_workers: int | None = Field(
+        None, ge=1, description="start a local Dask cluster of this many workers"
+    )
+    # -- dynamic batching (service/batching.py) -----------------------------------------
+    batching: bool = Field(
+        True, description="coalesce concurrent KNN/radius requests into one engine call"
+    )
+    batch_max_points: int = Field(8192, ge=1, description="most query points in one batch")
+    batch_max_delay_us: int = Field(
+        0, ge=0, description="wait for more requests after the first, µs; 0: take what is queued"
+    )
     limits: Limits = Field(default_factory=lambda: Limits())
     # -- security ----------------------------------------------------------------------
     tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")

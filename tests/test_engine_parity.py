@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -46,12 +47,17 @@ def test_engine_list_covers_the_host_engines() -> None:
     assert REFERENCE in engine_names()
 
 
-@pytest.fixture(params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest) -> Engine:
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    # One engine per module: the dask engine starts a local cluster of worker processes.
     try:
-        return create_engine(request.param)
+        engine = create_engine(request.param)
     except EngineUnavailable as exc:
         pytest.skip(str(exc))
+    yield engine
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 @pytest.fixture(scope="module")

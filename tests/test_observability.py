@@ -49,19 +49,19 @@ def test_metrics_count_requests_errors_latency_rows_and_datasets(tmp_path) -> No
         lat, lon = uniform_points(500, seed=1)
         with Client(f"127.0.0.1:{parts.port}", timeout_s=30) as client:
             client.upload("pts", pa.table({"lat": lat, "lon": lon}))
-            for _ in range(3):
+            for _ in range(3):  # small queries: the client calls KnnCompact
                 client.knn("pts", [0.0, 10.0], [0.0, 10.0], k=4)
             with pytest.raises(NotFound):
                 client.knn("missing", 0.0, 0.0, k=1)
         assert parts.metrics_port
         m = _scrape(parts.metrics_port)
-        assert m[("geonear_requests_total", (("code", "OK"), ("rpc", "Knn")))] == 3
-        assert m[("geonear_requests_total", (("code", "NOT_FOUND"), ("rpc", "Knn")))] == 1
-        assert m[("geonear_errors_total", (("code", "NOT_FOUND"), ("rpc", "Knn")))] == 1
-        assert ("geonear_errors_total", (("code", "OK"), ("rpc", "Knn"))) not in m
-        assert m[("geonear_request_duration_seconds_count", (("rpc", "Knn"),))] == 4
-        assert m[("geonear_request_duration_seconds_sum", (("rpc", "Knn"),))] > 0
-        assert m[("geonear_rows_total", (("rpc", "Knn"),))] == 3 * 2 * 4
+        assert m[("geonear_requests_total", (("code", "OK"), ("rpc", "KnnCompact")))] == 3
+        assert m[("geonear_requests_total", (("code", "NOT_FOUND"), ("rpc", "KnnCompact")))] == 1
+        assert m[("geonear_errors_total", (("code", "NOT_FOUND"), ("rpc", "KnnCompact")))] == 1
+        assert ("geonear_errors_total", (("code", "OK"), ("rpc", "KnnCompact"))) not in m
+        assert m[("geonear_request_duration_seconds_count", (("rpc", "KnnCompact"),))] == 4
+        assert m[("geonear_request_duration_seconds_sum", (("rpc", "KnnCompact"),))] > 0
+        assert m[("geonear_rows_total", (("rpc", "KnnCompact"),))] == 3 * 2 * 4
         assert m[("geonear_rows_total", (("rpc", "Upload"),))] == 500
         host_bytes = parts.store.get("pts").host_bytes
         assert m[("geonear_dataset_host_bytes", (("dataset", "pts"),))] == host_bytes
@@ -92,7 +92,7 @@ def test_one_log_line_per_request(tmp_path, caplog) -> None:
     upload, knn, info = lines
     assert upload.startswith("rpc=Upload dataset=pts rows=100 duration_ms=")
     assert upload.split(" status=")[1].startswith("OK")
-    assert knn.startswith("rpc=Knn dataset=pts rows=3 ")
+    assert knn.startswith("rpc=KnnCompact dataset=pts rows=3 ")
     assert "status=NOT_FOUND" in info and "dataset=nope" in info
     assert all("peer=ipv4:127.0.0.1:" in line for line in lines)
 

@@ -67,8 +67,9 @@ def _positive_int(text: str) -> int:
 
 def _add_outputs(p: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the raw results (mergeable) here")
-    p.add_argument("--html", metavar="PATH",
-                   help="write one self-contained HTML report (table and plots) here")
+    p.add_argument(
+        "--html", metavar="PATH", help="write one self-contained HTML report (table and plots) here"
+    )
     p.add_argument("--png", metavar="PATH", help="write the report's plots as one PNG here")
     p.add_argument("--title", default="geonear loadtest", help="title of the reports")
 
@@ -78,72 +79,138 @@ def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Drive running geonear servers over gRPC and report throughput, latency "
         "percentiles and errors. `geonear loadtest report a.json b.json --html out.html` "
-        "renders saved runs together.")
+        "renders saved runs together."
+    )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     modes = parser.add_subparsers(dest="loadtest_command", title="sub-mode", required=False)
-    report = modes.add_parser("report", help="render saved JSON results together",
-                              description="Render saved load-test results in one report.")
+    report = modes.add_parser(
+        "report",
+        help="render saved JSON results together",
+        description="Render saved load-test results in one report.",
+    )
     report.add_argument("results", nargs="+", metavar="RESULTS.json")
-    report.add_argument("--merge", action="store_true",
-                        help="combine runs with the same target name (load generators that "
-                             "ran in parallel) instead of showing them side by side")
+    report.add_argument(
+        "--merge",
+        action="store_true",
+        help="combine runs with the same target name (load generators that "
+        "ran in parallel) instead of showing them side by side",
+    )
     _add_outputs(report)
 
     where = parser.add_argument_group("targets").add_mutually_exclusive_group()
     where.add_argument("--target", metavar="HOST:PORT", help="the server to drive")
-    where.add_argument("--compare", nargs="+", type=_named_target, metavar="NAME=HOST:PORT",
-                       help="several named servers, driven one after another")
+    where.add_argument(
+        "--compare",
+        nargs="+",
+        type=_named_target,
+        metavar="NAME=HOST:PORT",
+        help="several named servers, driven one after another",
+    )
 
     what = parser.add_argument_group("what to send")
-    what.add_argument("--scenario", choices=SCENARIOS, default="knn",
-                      help="ping is gRPC health Check, the ceiling (default knn)")
+    what.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="knn",
+        help="ping is gRPC health Check, the ceiling (default knn)",
+    )
     what.add_argument("--dataset", default="loadtest", help="dataset to query (default loadtest)")
-    what.add_argument("--create-dataset", type=int, default=0, metavar="N",
-                      help="when the dataset is missing, upload N uniform points first")
-    what.add_argument("--batch", type=_positive_int, default=1,
-                      help="query points per request (upload: rows per upload; default 1)")
-    what.add_argument("-k", type=_positive_int, default=10,
-                      help="neighbours per query (kmeans: clusters; default 10)")
-    what.add_argument("--radius-m", type=float, default=5_000.0,
-                      help="radius of the radius scenario, metres (default 5000)")
-    what.add_argument("--matrix-targets", type=int, default=0, metavar="N",
-                      help="matrix columns: N inline points instead of the dataset")
+    what.add_argument(
+        "--create-dataset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when the dataset is missing, upload N uniform points first",
+    )
+    what.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=1,
+        help="query points per request (upload: rows per upload; default 1)",
+    )
+    what.add_argument(
+        "-k",
+        type=_positive_int,
+        default=10,
+        help="neighbours per query (kmeans: clusters; default 10)",
+    )
+    what.add_argument(
+        "--radius-m",
+        type=float,
+        default=5_000.0,
+        help="radius of the radius scenario, metres (default 5000)",
+    )
+    what.add_argument(
+        "--matrix-targets",
+        type=int,
+        default=0,
+        metavar="N",
+        help="matrix columns: N inline points instead of the dataset",
+    )
     what.add_argument("--kmeans-max-iter", type=_positive_int, default=20)
     what.add_argument("--seed", type=int, default=0, help="seed of the query points")
 
     how = parser.add_argument_group("how hard and how long")
     loop = how.add_mutually_exclusive_group()
-    loop.add_argument("--concurrency", type=_positive_int, metavar="N",
-                      help="closed loop: N requests in flight at all times (default 16)")
-    loop.add_argument("--rate", type=float, metavar="R",
-                      help="open loop: R requests/s on a constant schedule, latency measured "
-                           "from the scheduled time (coordinated-omission corrected)")
-    how.add_argument("--duration", type=_seconds, default=10.0,
-                     help="measurement window (default 10s)")
-    how.add_argument("--warmup", type=_seconds, default=2.0,
-                     help="load before the window, not recorded (default 2s)")
-    how.add_argument("--processes", type=_positive_int, default=1,
-                     help="load-generator worker processes (default 1)")
-    how.add_argument("--channels", type=_positive_int, default=1,
-                     help="gRPC channels (TCP connections) per process (default 1)")
+    loop.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        metavar="N",
+        help="closed loop: N requests in flight at all times (default 16)",
+    )
+    loop.add_argument(
+        "--rate",
+        type=float,
+        metavar="R",
+        help="open loop: R requests/s on a constant schedule, latency measured "
+        "from the scheduled time (coordinated-omission corrected)",
+    )
+    how.add_argument(
+        "--duration", type=_seconds, default=10.0, help="measurement window (default 10s)"
+    )
+    how.add_argument(
+        "--warmup",
+        type=_seconds,
+        default=2.0,
+        help="load before the window, not recorded (default 2s)",
+    )
+    how.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=1,
+        help="load-generator worker processes (default 1)",
+    )
+    how.add_argument(
+        "--channels",
+        type=_positive_int,
+        default=1,
+        help="gRPC channels (TCP connections) per process (default 1)",
+    )
     how.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each request")
-    how.add_argument("--max-in-flight", type=_positive_int, default=10_000,
-                     help="open loop: cap on outstanding requests per process")
+    how.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=10_000,
+        help="open loop: cap on outstanding requests per process",
+    )
 
     security = parser.add_argument_group("TLS and tokens")
-    security.add_argument("--tls", action="store_true",
-                          help="use TLS, verifying the server with the system's CAs")
+    security.add_argument(
+        "--tls", action="store_true", help="use TLS, verifying the server with the system's CAs"
+    )
     security.add_argument("--tls-ca", metavar="PEM", help="CA bundle of the server (implies --tls)")
     security.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
     security.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
     security.add_argument("--tls-server-name", help="name to expect in the server certificate")
-    security.add_argument("--token", default=os.environ.get("GEONEAR_TOKEN"),
-                          help="bearer token (default $GEONEAR_TOKEN)")
+    security.add_argument(
+        "--token",
+        default=os.environ.get("GEONEAR_TOKEN"),
+        help="bearer token (default $GEONEAR_TOKEN)",
+    )
 
     out = parser.add_argument_group("output")
     _add_outputs(out)
-    out.add_argument("--quiet", action="store_true",
-                     help="no live display and no summary table")
+    out.add_argument("--quiet", action="store_true", help="no live display and no summary table")
 
 
 def run_loadtest(args: argparse.Namespace) -> int:
@@ -187,24 +254,40 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
         return list(args.compare)
     if args.target:
         return [(args.target, args.target)]
-    raise ValueError("give --target HOST:PORT or --compare NAME=HOST:PORT ... "
-                     "(or `geonear loadtest report FILES`)")
+    raise ValueError(
+        "give --target HOST:PORT or --compare NAME=HOST:PORT ... "
+        "(or `geonear loadtest report FILES`)"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     targets = _targets(args)
-    connection = Connection.from_options(args.tls, args.tls_ca, args.tls_cert, args.tls_key,
-                                         args.tls_server_name, args.token)
-    config = ScenarioConfig(scenario=args.scenario, dataset=args.dataset, batch=args.batch,
-                            k=args.k, radius_m=args.radius_m,
-                            matrix_targets=args.matrix_targets,
-                            kmeans_max_iter=args.kmeans_max_iter, seed=args.seed)
+    connection = Connection.from_options(
+        args.tls, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, args.token
+    )
+    config = ScenarioConfig(
+        scenario=args.scenario,
+        dataset=args.dataset,
+        batch=args.batch,
+        k=args.k,
+        radius_m=args.radius_m,
+        matrix_targets=args.matrix_targets,
+        kmeans_max_iter=args.kmeans_max_iter,
+        seed=args.seed,
+    )
     concurrency = args.concurrency if args.rate is None else None
     if concurrency is None and args.rate is None:
         concurrency = 16
-    plan = LoadPlan(concurrency=concurrency, rate=args.rate, duration_s=args.duration,
-                    warmup_s=args.warmup, processes=args.processes, channels=args.channels,
-                    timeout_s=args.timeout_s, max_in_flight=args.max_in_flight)
+    plan = LoadPlan(
+        concurrency=concurrency,
+        rate=args.rate,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        processes=args.processes,
+        channels=args.channels,
+        timeout_s=args.timeout_s,
+        max_in_flight=args.max_in_flight,
+    )
     pool = build_pool(config)
     console = Console()
     errors = Console(stderr=True)
@@ -217,24 +300,40 @@ def _run(args: argparse.Namespace) -> int:
         progress = LiveProgress(console)
     with progress if live else contextlib.nullcontext():
         for name, address in targets:
-            prepared = asyncio.run(prepare_target(address, connection, config,
-                                                  create_rows=args.create_dataset,
-                                                  timeout_s=max(600.0, args.timeout_s)))
+            prepared = asyncio.run(
+                prepare_target(
+                    address,
+                    connection,
+                    config,
+                    create_rows=args.create_dataset,
+                    timeout_s=max(600.0, args.timeout_s),
+                )
+            )
             for warning in prepared.warnings:
                 errors.print(f"geonear loadtest: {warning}", markup=False, highlight=False)
             started = time.time()
             totals = run_workers(name, address, connection, pool, plan, progress)
-            run = summarise_run(name, address, config.scenario, plan.mode,
-                                {**config.to_dict(), **plan.to_dict()}, prepared.server,
-                                plan.duration_s, totals)
+            run = summarise_run(
+                name,
+                address,
+                config.scenario,
+                plan.mode,
+                {**config.to_dict(), **plan.to_dict()},
+                prepared.server,
+                plan.duration_s,
+                totals,
+            )
             run["dataset"] = prepared.dataset
             run["started_unix_s"] = started
             if config.scenario == "upload":
                 try:
                     asyncio.run(drop_upload_scratch(address, connection, config))
                 except grpc.aio.AioRpcError as exc:
-                    errors.print(f"geonear loadtest: scratch datasets left at {address}: "
-                                 f"{exc.code().name}: {exc.details()}", markup=False)
+                    errors.print(
+                        f"geonear loadtest: scratch datasets left at {address}: "
+                        f"{exc.code().name}: {exc.details()}",
+                        markup=False,
+                    )
             progress.end(run)
             runs.append(run)
     if not args.quiet:
@@ -243,4 +342,3 @@ def _run(args: argparse.Namespace) -> int:
         print_summary(runs, console)
     _write_outputs(args, runs)
     return 0
-

@@ -40,17 +40,30 @@ class Connection:
     token: str | None = None
 
     @classmethod
-    def from_options(cls, tls: bool = False, ca: str | None = None, cert: str | None = None,
-                     key: str | None = None, server_name: str | None = None,
-                     token: str | None = None) -> Connection:
+    def from_options(
+        cls,
+        tls: bool = False,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        server_name: str | None = None,
+        token: str | None = None,
+    ) -> Connection:
         """Read the PEM files named on the command line; mTLS needs both cert and key."""
         if (cert is None) != (key is None):
             raise ValueError("mutual TLS needs both --tls-cert and --tls-key")
+
         def read(path: str | None) -> bytes | None:
             return None if path is None else Path(path).read_bytes()
-        return cls(tls=bool(tls or ca or cert), root_certificates=read(ca),
-                   client_certificate=read(cert), client_key=read(key),
-                   server_name=server_name, token=token or None)
+
+        return cls(
+            tls=bool(tls or ca or cert),
+            root_certificates=read(ca),
+            client_certificate=read(cert),
+            client_key=read(key),
+            server_name=server_name,
+            token=token or None,
+        )
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         # Per-call metadata rather than call credentials: gRPC refuses call credentials on
@@ -76,6 +89,8 @@ class Connection:
         if not self.tls:
             return grpc.aio.insecure_channel(target, options=options)
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=self.root_certificates, private_key=self.client_key,
-            certificate_chain=self.client_certificate)
+            root_certificates=self.root_certificates,
+            private_key=self.client_key,
+            certificate_chain=self.client_certificate,
+        )
         return grpc.aio.secure_channel(target, credentials, options=options)

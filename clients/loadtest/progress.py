@@ -34,8 +34,9 @@ class LiveProgress(ProgressSink):
         self.failed: dict[int, int] = {}
         # (time, total done, encoded histogram of that interval) per worker message.
         self.recent: list[tuple[float, int, str]] = []
-        self.live = Live(self._render(), console=self.console, refresh_per_second=4,
-                         transient=False)
+        self.live = Live(
+            self._render(), console=self.console, refresh_per_second=4, transient=False
+        )
 
     def __enter__(self) -> LiveProgress:
         self.live.__enter__()
@@ -70,13 +71,18 @@ class LiveProgress(ProgressSink):
     def _render(self) -> Any:
         table = Table(title="geonear loadtest", expand=False)
         for column in ("target", "phase", "requests", "errors", "req/s", "p50 ms", "p99 ms"):
-            table.add_column(column, justify="left" if column in ("target", "phase")
-                             else "right")
+            table.add_column(column, justify="left" if column in ("target", "phase") else "right")
         for run in self.finished:
             lat = run["latency_ms"]
-            table.add_row(run["name"], "done", f"{run['requests']:,}",
-                          f"{sum(run['errors'].values()):,}", f"{run['throughput_rps']:,.0f}",
-                          f"{lat['p50']:.2f}", f"{lat['p99']:.2f}")
+            table.add_row(
+                run["name"],
+                "done",
+                f"{run['requests']:,}",
+                f"{sum(run['errors'].values()):,}",
+                f"{run['throughput_rps']:,.0f}",
+                f"{lat['p50']:.2f}",
+                f"{lat['p99']:.2f}",
+            )
         if self.plan is None:
             return table
         parts: list[Any] = [table]
@@ -95,7 +101,14 @@ class LiveProgress(ProgressSink):
                 rate = f"{(n1 - n0) / (t1 - t0):,.0f}"
             lat = latency_summary_ms(decode_histograms(h for _, _, h in self.recent[1:]))
             p50, p99 = f"{lat['p50']:.2f}", f"{lat['p99']:.2f}"
-        table.add_row(self.name, phase, f"{sum(self.done.values()):,}",
-                      f"{sum(self.failed.values()):,}", rate, p50, p99)
+        table.add_row(
+            self.name,
+            phase,
+            f"{sum(self.done.values()):,}",
+            f"{sum(self.failed.values()):,}",
+            rate,
+            p50,
+            p99,
+        )
         parts.append(ProgressBar(total=total, completed=min(elapsed, total), width=60))
         return Group(*parts)

@@ -97,22 +97,39 @@ class WorkerTotals:
     histogram: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"successes": self.successes, "rows": self.rows, "errors": dict(self.errors),
-                "timeline_successes": self.timeline_successes,
-                "timeline_errors": self.timeline_errors, "late_sends": self.late_sends,
-                "histogram": self.histogram}
+        return {
+            "successes": self.successes,
+            "rows": self.rows,
+            "errors": dict(self.errors),
+            "timeline_successes": self.timeline_successes,
+            "timeline_errors": self.timeline_errors,
+            "late_sends": self.late_sends,
+            "histogram": self.histogram,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkerTotals:
-        return cls(successes=d["successes"], rows=d["rows"], errors=Counter(d["errors"]),
-                   timeline_successes=list(d["timeline_successes"]),
-                   timeline_errors=list(d["timeline_errors"]), late_sends=d["late_sends"],
-                   histogram=d["histogram"])
+        return cls(
+            successes=d["successes"],
+            rows=d["rows"],
+            errors=Counter(d["errors"]),
+            timeline_successes=list(d["timeline_successes"]),
+            timeline_errors=list(d["timeline_errors"]),
+            late_sends=d["late_sends"],
+            histogram=d["histogram"],
+        )
 
 
-def summarise_run(name: str, target: str, scenario: str, mode: str, config: dict[str, Any],
-                  server: dict[str, Any] | None, duration_s: float,
-                  workers: Sequence[WorkerTotals]) -> dict[str, Any]:
+def summarise_run(
+    name: str,
+    target: str,
+    scenario: str,
+    mode: str,
+    config: dict[str, Any],
+    server: dict[str, Any] | None,
+    duration_s: float,
+    workers: Sequence[WorkerTotals],
+) -> dict[str, Any]:
     """One target's run, as stored in the JSON file, from its workers' totals."""
     histogram = decode_histograms(w.histogram for w in workers)
     errors: Counter[str] = Counter()
@@ -123,8 +140,13 @@ def summarise_run(name: str, target: str, scenario: str, mode: str, config: dict
         timeline_ok = add_series(timeline_ok, w.timeline_successes)
         timeline_err = add_series(timeline_err, w.timeline_errors)
     run = {
-        "name": name, "target": target, "scenario": scenario, "mode": mode,
-        "config": config, "server": server, "duration_s": duration_s,
+        "name": name,
+        "target": target,
+        "scenario": scenario,
+        "mode": mode,
+        "config": config,
+        "server": server,
+        "duration_s": duration_s,
         "successes": sum(w.successes for w in workers),
         "errors": dict(sorted(errors.items())),
         "rows": sum(w.rows for w in workers),
@@ -167,8 +189,11 @@ def merge_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "errors": dict(sorted(errors.items())),
         "rows": sum(r["rows"] for r in runs),
         "late_sends": sum(r.get("late_sends", 0) for r in runs),
-        "timeline": {"interval_s": first["timeline"]["interval_s"], "successes": timeline_ok,
-                     "errors": timeline_err},
+        "timeline": {
+            "interval_s": first["timeline"]["interval_s"],
+            "successes": timeline_ok,
+            "errors": timeline_err,
+        },
         "histogram": encode_histogram(histogram),
         "merged_from": len(runs),
     }
@@ -177,13 +202,21 @@ def merge_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def client_description() -> dict[str, Any]:
     """The load generator's machine, for the record."""
-    return {"host": platform.node(), "python": platform.python_version(),
-            "platform": platform.platform(), "cpus": os.cpu_count()}
+    return {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def results_document(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"format": FORMAT, "created_unix_s": time.time(), "client": client_description(),
-            "runs": list(runs)}
+    return {
+        "format": FORMAT,
+        "created_unix_s": time.time(),
+        "client": client_description(),
+        "runs": list(runs),
+    }
 
 
 def write_results(path: str | Path, runs: Sequence[dict[str, Any]]) -> None:
@@ -200,8 +233,10 @@ def read_results(paths: Sequence[str | Path], merge: bool = False) -> list[dict[
     for path in paths:
         doc = json.loads(Path(path).read_text())
         if doc.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a geonear load-test result (format "
-                             f"{doc.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(
+                f"{path} is not a geonear load-test result (format "
+                f"{doc.get('format')!r}, expected {FORMAT!r})"
+            )
         loaded.extend((Path(path).stem, run) for run in doc["runs"])
     by_name: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for source, run in loaded:

@@ -92,10 +92,17 @@ class LoadPlan:
         return self.processes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "concurrency": self.concurrency, "rate": self.rate,
-                "duration_s": self.duration_s, "warmup_s": self.warmup_s,
-                "processes": self.n_workers, "channels": self.channels,
-                "timeout_s": self.timeout_s, "max_in_flight": self.max_in_flight}
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "rate": self.rate,
+            "duration_s": self.duration_s,
+            "warmup_s": self.warmup_s,
+            "processes": self.n_workers,
+            "channels": self.channels,
+            "timeout_s": self.timeout_s,
+            "max_in_flight": self.max_in_flight,
+        }
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,9 @@ class WorkerPlan:
     rate_offset_s: float = 0.0
 
 
-def split_plan(plan: LoadPlan, address: str, connection: Connection,
-               pool: Sequence[Request]) -> list[WorkerPlan]:
+def split_plan(
+    plan: LoadPlan, address: str, connection: Connection, pool: Sequence[Request]
+) -> list[WorkerPlan]:
     """Concurrency split as evenly as integers allow; the rate split evenly, interleaved."""
     n = plan.n_workers
     out = []
@@ -122,8 +130,17 @@ def split_plan(plan: LoadPlan, address: str, connection: Connection,
             share = plan.concurrency // n + (1 if i < plan.concurrency % n else 0)
             out.append(WorkerPlan(i, address, connection, pool, plan, concurrency=share))
         elif plan.rate is not None:
-            out.append(WorkerPlan(i, address, connection, pool, plan, rate=plan.rate / n,
-                                  rate_offset_s=i / plan.rate))
+            out.append(
+                WorkerPlan(
+                    i,
+                    address,
+                    connection,
+                    pool,
+                    plan,
+                    rate=plan.rate / n,
+                    rate_offset_s=i / plan.rate,
+                )
+            )
     return out
 
 
@@ -172,41 +189,48 @@ class _Recorder:
         return self.totals
 
 
-def _callers(channel: grpc.aio.Channel, connection: Connection,
-             timeout_s: float) -> dict[str, Callable[[Any], Any]]:
+def _callers(
+    channel: grpc.aio.Channel, connection: Connection, timeout_s: float
+) -> dict[str, Callable[[Any], Any]]:
     """Per RPC name, a coroutine function sending a prepared request and counting rows."""
     metadata = connection.metadata()
     out: dict[str, Callable[[Any], Any]] = {}
     for name, rpc in RPCS.items():
         # request_serializer=None: the pool holds requests already serialized.
         if rpc.cardinality == "unary_unary":
-            method = channel.unary_unary(rpc.path, request_serializer=None,
-                                         response_deserializer=rpc.response.FromString)
+            method = channel.unary_unary(
+                rpc.path, request_serializer=None, response_deserializer=rpc.response.FromString
+            )
 
             async def unary(payload: Any, method: Any = method, rpc: Any = rpc) -> int:
                 return rpc.rows(await method(payload, timeout=timeout_s, metadata=metadata))
+
             out[name] = unary
         elif rpc.cardinality == "unary_stream":
-            method = channel.unary_stream(rpc.path, request_serializer=None,
-                                          response_deserializer=rpc.response.FromString)
+            method = channel.unary_stream(
+                rpc.path, request_serializer=None, response_deserializer=rpc.response.FromString
+            )
 
             async def stream(payload: Any, method: Any = method, rpc: Any = rpc) -> int:
                 call = method(payload, timeout=timeout_s, metadata=metadata)
                 return rpc.rows([m async for m in call])
+
             out[name] = stream
         else:
-            method = channel.stream_unary(rpc.path, request_serializer=None,
-                                          response_deserializer=rpc.response.FromString)
+            method = channel.stream_unary(
+                rpc.path, request_serializer=None, response_deserializer=rpc.response.FromString
+            )
 
             async def upload(payload: Any, method: Any = method, rpc: Any = rpc) -> int:
-                return rpc.rows(await method(iter(payload), timeout=timeout_s,
-                                             metadata=metadata))
+                return rpc.rows(await method(iter(payload), timeout=timeout_s, metadata=metadata))
+
             out[name] = upload
     return out
 
 
-async def _send(caller: dict[str, Callable[[Any], Any]], request: Request,
-                recorder: _Recorder, started: float) -> None:
+async def _send(
+    caller: dict[str, Callable[[Any], Any]], request: Request, recorder: _Recorder, started: float
+) -> None:
     name, payload = request
     try:
         rows = await caller[name](payload)
@@ -218,8 +242,9 @@ async def _send(caller: dict[str, Callable[[Any], Any]], request: Request,
         recorder.success(started, time.perf_counter(), rows)
 
 
-async def _closed_loop(w: WorkerPlan, callers: list[dict[str, Any]], recorder: _Recorder,
-                       start: float) -> None:
+async def _closed_loop(
+    w: WorkerPlan, callers: list[dict[str, Any]], recorder: _Recorder, start: float
+) -> None:
     pool = w.pool
 
     async def client(j: int) -> None:
@@ -232,8 +257,9 @@ async def _closed_loop(w: WorkerPlan, callers: list[dict[str, Any]], recorder: _
     await asyncio.gather(*(client(j) for j in range(w.concurrency)))
 
 
-async def _open_loop(w: WorkerPlan, callers: list[dict[str, Any]], recorder: _Recorder,
-                     start: float) -> None:
+async def _open_loop(
+    w: WorkerPlan, callers: list[dict[str, Any]], recorder: _Recorder, start: float
+) -> None:
     pool = w.pool
     interval = 1.0 / w.rate
     slots = asyncio.Semaphore(w.plan.max_in_flight)
@@ -241,8 +267,9 @@ async def _open_loop(w: WorkerPlan, callers: list[dict[str, Any]], recorder: _Re
 
     async def one(n: int, scheduled: float) -> None:
         try:
-            await _send(callers[n % len(callers)], pool[(n + w.index) % len(pool)], recorder,
-                        scheduled)
+            await _send(
+                callers[n % len(callers)], pool[(n + w.index) % len(pool)], recorder, scheduled
+            )
         finally:
             slots.release()
 
@@ -271,15 +298,15 @@ async def _report_progress(w: WorkerPlan, recorder: _Recorder, out: Any) -> None
     while True:
         await asyncio.sleep(PROGRESS_INTERVAL_S)
         recent, recorder.recent = recorder.recent, new_histogram()
-        out.put(("progress", w.index, recorder.done, recorder.failed,
-                 encode_histogram(recent)))
+        out.put(("progress", w.index, recorder.done, recorder.failed, encode_histogram(recent)))
 
 
 async def _worker(w: WorkerPlan, out: Any, go: Any, start_wall: Any) -> WorkerTotals:
     channels = [w.connection.aio_channel(w.address, i) for i in range(w.plan.channels)]
     try:
-        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)),
-                               START_TIMEOUT_S / 2)
+        await asyncio.wait_for(
+            asyncio.gather(*(c.channel_ready() for c in channels)), START_TIMEOUT_S / 2
+        )
         callers = [_callers(c, w.connection, w.plan.timeout_s) for c in channels]
         out.put(("ready", w.index))
         if not await asyncio.get_running_loop().run_in_executor(None, go.wait, START_TIMEOUT_S):
@@ -287,8 +314,7 @@ async def _worker(w: WorkerPlan, out: Any, go: Any, start_wall: Any) -> WorkerTo
         # The parent's start time is wall-clock (shared across processes); convert it
         # to this process's monotonic clock once.
         start = time.perf_counter() + (start_wall.value - time.time())
-        recorder = _Recorder(start + w.plan.warmup_s,
-                             start + w.plan.warmup_s + w.plan.duration_s)
+        recorder = _Recorder(start + w.plan.warmup_s, start + w.plan.warmup_s + w.plan.duration_s)
         await asyncio.sleep(max(0.0, start - time.perf_counter()))
         progress = asyncio.create_task(_report_progress(w, recorder, out))
         try:
@@ -328,8 +354,14 @@ class ProgressSink:
         pass
 
 
-def run_workers(name: str, address: str, connection: Connection, pool: Sequence[Request],
-                plan: LoadPlan, progress: ProgressSink | None = None) -> list[WorkerTotals]:
+def run_workers(
+    name: str,
+    address: str,
+    connection: Connection,
+    pool: Sequence[Request],
+    plan: LoadPlan,
+    progress: ProgressSink | None = None,
+) -> list[WorkerTotals]:
     """Drive ``address`` with ``plan`` from worker processes; their totals, by worker."""
     progress = progress or ProgressSink()
     ctx = mp.get_context("spawn")
@@ -337,8 +369,15 @@ def run_workers(name: str, address: str, connection: Connection, pool: Sequence[
     go = ctx.Event()
     start_wall = ctx.Value("d", 0.0)
     workers = split_plan(plan, address, connection, pool)
-    procs = [ctx.Process(target=worker_main, args=(w, out, go, start_wall), daemon=True,
-                         name=f"geonear-loadtest-{name}-{w.index}") for w in workers]
+    procs = [
+        ctx.Process(
+            target=worker_main,
+            args=(w, out, go, start_wall),
+            daemon=True,
+            name=f"geonear-loadtest-{name}-{w.index}",
+        )
+        for w in workers
+    ]
     progress.begin(name, plan)
     for p in procs:
         p.start()
@@ -360,7 +399,8 @@ def run_workers(name: str, address: str, connection: Connection, pool: Sequence[
                 dead = [p.name for p in procs if not p.is_alive() and p.exitcode]
                 if dead or time.monotonic() > deadline:
                     raise LoadTestError(
-                        f"load-test workers {', '.join(dead)} died" if dead
+                        f"load-test workers {', '.join(dead)} died"
+                        if dead
                         else f"load-test workers did not finish against {address}"
                     ) from None
                 continue
@@ -372,8 +412,9 @@ def run_workers(name: str, address: str, connection: Connection, pool: Sequence[
             elif kind == "done":
                 totals[index] = WorkerTotals.from_dict(rest[0])
             else:
-                raise LoadTestError(f"load-test worker {index} against {address} failed:\n"
-                                    f"{rest[0]}")
+                raise LoadTestError(
+                    f"load-test worker {index} against {address} failed:\n{rest[0]}"
+                )
         for p in procs:
             p.join(timeout=10)
         return [totals[i] for i in sorted(totals)]
@@ -384,4 +425,3 @@ def run_workers(name: str, address: str, connection: Connection, pool: Sequence[
                 p.join(timeout=5)
         with contextlib.suppress(Exception):
             out.close()
-

@@ -102,8 +102,9 @@ RPCS: dict[str, Rpc] = {
     "matrix": Rpc(_SERVICE + "DistanceMatrix", "unary_stream", pb.MatrixTile, _matrix_cells),
     "kmeans": Rpc(_SERVICE + "KMeans", "unary_stream", pb.KMeansResponse, _centroids),
     "upload": Rpc(_SERVICE + "Upload", "stream_unary", pb.UploadResponse, _uploaded),
-    "ping": Rpc("/grpc.health.v1.Health/Check", "unary_unary",
-                health_pb2.HealthCheckResponse, _serving),
+    "ping": Rpc(
+        "/grpc.health.v1.Health/Check", "unary_unary", health_pb2.HealthCheckResponse, _serving
+    ),
 }
 
 #: A prepared request: the RPC's name and its serialized message (a tuple of them for
@@ -126,8 +127,9 @@ class ScenarioConfig:
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
-            raise ValueError(f"unknown scenario {self.scenario!r}; choose one of "
-                             f"{', '.join(SCENARIOS)}")
+            raise ValueError(
+                f"unknown scenario {self.scenario!r}; choose one of {', '.join(SCENARIOS)}"
+            )
         if self.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if self.k < 1:
@@ -140,24 +142,39 @@ class ScenarioConfig:
         return f"{self.dataset}-upload"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "dataset": self.dataset, "batch": self.batch,
-                "k": self.k, "radius_m": self.radius_m, "matrix_targets": self.matrix_targets,
-                "kmeans_max_iter": self.kmeans_max_iter, "seed": self.seed}
+        return {
+            "scenario": self.scenario,
+            "dataset": self.dataset,
+            "batch": self.batch,
+            "k": self.k,
+            "radius_m": self.radius_m,
+            "matrix_targets": self.matrix_targets,
+            "kmeans_max_iter": self.kmeans_max_iter,
+            "seed": self.seed,
+        }
 
 
-def _request(config: ScenarioConfig, rpc: str, i: int, lat: np.ndarray, lon: np.ndarray,
-             targets: pb.Points | None) -> Request:
+def _request(
+    config: ScenarioConfig,
+    rpc: str,
+    i: int,
+    lat: np.ndarray,
+    lon: np.ndarray,
+    targets: pb.Points | None,
+) -> Request:
     if rpc == "ping":
         return rpc, health_pb2.HealthCheckRequest(service="").SerializeToString()
     if rpc == "kmeans":
-        message: Any = pb.KMeansRequest(dataset=config.dataset, k=config.k, seed=i, n_init=1,
-                                        max_iter=config.kmeans_max_iter)
+        message: Any = pb.KMeansRequest(
+            dataset=config.dataset, k=config.k, seed=i, n_init=1, max_iter=config.kmeans_max_iter
+        )
         return rpc, message.SerializeToString()
     if rpc == "upload":
         ids = np.arange(lat.shape[0], dtype=np.int64)
         table = pa.table({"id": ids, "lat": lat, "lon": lon})
-        header = pb.UploadHeader(dataset=f"{config.upload_prefix}-{i % UPLOAD_SLOTS}",
-                                 mode=pb.REPLACE)
+        header = pb.UploadHeader(
+            dataset=f"{config.upload_prefix}-{i % UPLOAD_SLOTS}", mode=pb.REPLACE
+        )
         stream = [pb.UploadRequest(header=header)]
         stream += [pb.UploadRequest(data=m) for m in table_to_messages(table)]
         return rpc, tuple(m.SerializeToString() for m in stream)
@@ -165,8 +182,7 @@ def _request(config: ScenarioConfig, rpc: str, i: int, lat: np.ndarray, lon: np.
     if rpc == "knn":
         message = pb.KnnRequest(dataset=config.dataset, queries=points, k=config.k)
     elif rpc == "radius":
-        message = pb.RadiusRequest(dataset=config.dataset, queries=points,
-                                   radius_m=config.radius_m)
+        message = pb.RadiusRequest(dataset=config.dataset, queries=points, radius_m=config.radius_m)
     elif targets is not None:
         message = pb.DistanceMatrixRequest(queries=points, targets=targets)
     else:
@@ -202,15 +218,30 @@ def build_pool(config: ScenarioConfig, size: int = POOL_REQUESTS) -> list[Reques
 
 
 # -- before and after a run ------------------------------------------------------------
-async def _unary(channel: grpc.aio.Channel, path: str, request: Any, response: Any,
-                 connection: Connection, timeout_s: float) -> Any:
-    call = channel.unary_unary(path, request_serializer=type(request).SerializeToString,
-                               response_deserializer=response.FromString)
+async def _unary(
+    channel: grpc.aio.Channel,
+    path: str,
+    request: Any,
+    response: Any,
+    connection: Connection,
+    timeout_s: float,
+) -> Any:
+    call = channel.unary_unary(
+        path,
+        request_serializer=type(request).SerializeToString,
+        response_deserializer=response.FromString,
+    )
     return await call(request, timeout=timeout_s, metadata=connection.metadata())
 
 
-async def _upload_uniform(channel: grpc.aio.Channel, connection: Connection, name: str,
-                          rows: int, seed: int, timeout_s: float) -> pb.DatasetInfo:
+async def _upload_uniform(
+    channel: grpc.aio.Channel,
+    connection: Connection,
+    name: str,
+    rows: int,
+    seed: int,
+    timeout_s: float,
+) -> pb.DatasetInfo:
     lat, lon = uniform_points(rows, seed=seed)
     table = pa.table({"id": np.arange(rows, dtype=np.int64), "lat": lat, "lon": lon})
 
@@ -219,9 +250,11 @@ async def _upload_uniform(channel: grpc.aio.Channel, connection: Connection, nam
         for message in table_to_messages(table):
             yield pb.UploadRequest(data=message)
 
-    call = channel.stream_unary(_SERVICE + "Upload",
-                                request_serializer=pb.UploadRequest.SerializeToString,
-                                response_deserializer=pb.UploadResponse.FromString)
+    call = channel.stream_unary(
+        _SERVICE + "Upload",
+        request_serializer=pb.UploadRequest.SerializeToString,
+        response_deserializer=pb.UploadResponse.FromString,
+    )
     response = await call(requests(), timeout=timeout_s, metadata=connection.metadata())
     return response.dataset
 
@@ -239,74 +272,114 @@ class PreparationFailed(Exception):
     """A target refused the calls made before the run (dataset check or creation)."""
 
 
-async def prepare_target(address: str, connection: Connection, config: ScenarioConfig,
-                         create_rows: int = 0, timeout_s: float = 600.0,
-                         connect_timeout_s: float = 10.0) -> Prepared:
+async def prepare_target(
+    address: str,
+    connection: Connection,
+    config: ScenarioConfig,
+    create_rows: int = 0,
+    timeout_s: float = 600.0,
+    connect_timeout_s: float = 10.0,
+) -> Prepared:
     """Check that ``address`` answers, describe its server and dataset, create it if asked.
 
     Raises OSError when the server cannot be reached within ``connect_timeout_s``, and
     PreparationFailed (with the status and the server's message) when it refuses.
     """
     try:
-        return await _prepare(address, connection, config, create_rows, timeout_s,
-                              connect_timeout_s)
+        return await _prepare(
+            address, connection, config, create_rows, timeout_s, connect_timeout_s
+        )
     except grpc.aio.AioRpcError as exc:
-        raise PreparationFailed(f"{address} refused the preparation of the run: "
-                                f"{exc.code().name}: {exc.details()}") from exc
+        raise PreparationFailed(
+            f"{address} refused the preparation of the run: {exc.code().name}: {exc.details()}"
+        ) from exc
 
 
-async def _prepare(address: str, connection: Connection, config: ScenarioConfig,
-                   create_rows: int, timeout_s: float, connect_timeout_s: float) -> Prepared:
+async def _prepare(
+    address: str,
+    connection: Connection,
+    config: ScenarioConfig,
+    create_rows: int,
+    timeout_s: float,
+    connect_timeout_s: float,
+) -> Prepared:
     warnings: list[str] = []
     async with connection.aio_channel(address) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), connect_timeout_s)
         except TimeoutError as exc:
-            raise OSError(f"cannot reach a server at {address} within "
-                          f"{connect_timeout_s:g} s") from exc
+            raise OSError(
+                f"cannot reach a server at {address} within {connect_timeout_s:g} s"
+            ) from exc
         server: dict[str, Any] | None
         try:
-            info = await _unary(channel, _SERVICE + "ServerInfo", pb.ServerInfoRequest(),
-                                pb.ServerInfoResponse, connection, 30.0)
-            server = {"version": info.version, "backend": info.backend, "device": info.device,
-                      "engine": info.engines[0] if info.engines else ""}
+            info = await _unary(
+                channel,
+                _SERVICE + "ServerInfo",
+                pb.ServerInfoRequest(),
+                pb.ServerInfoResponse,
+                connection,
+                30.0,
+            )
+            server = {
+                "version": info.version,
+                "backend": info.backend,
+                "device": info.device,
+                "engine": info.engines[0] if info.engines else "",
+            }
         except grpc.aio.AioRpcError as exc:
             server = None
-            warnings.append(f"ServerInfo failed at {address}: {exc.code().name} "
-                            f"{exc.details()}")
+            warnings.append(f"ServerInfo failed at {address}: {exc.code().name} {exc.details()}")
         if config.scenario not in NEEDS_DATASET:
             return Prepared(server, None, warnings)
         try:
-            described = await _unary(channel, _SERVICE + "GetDataset",
-                                     pb.GetDatasetRequest(dataset=config.dataset),
-                                     pb.DatasetInfo, connection, 30.0)
+            described = await _unary(
+                channel,
+                _SERVICE + "GetDataset",
+                pb.GetDatasetRequest(dataset=config.dataset),
+                pb.DatasetInfo,
+                connection,
+                30.0,
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             if create_rows <= 0:
-                warnings.append(f"dataset {config.dataset!r} does not exist at {address}: "
-                                "every request will fail with NOT_FOUND (add "
-                                "--create-dataset N to upload N uniform points first)")
+                warnings.append(
+                    f"dataset {config.dataset!r} does not exist at {address}: "
+                    "every request will fail with NOT_FOUND (add "
+                    "--create-dataset N to upload N uniform points first)"
+                )
                 return Prepared(server, None, warnings)
-            described = await _upload_uniform(channel, connection, config.dataset,
-                                              create_rows, config.seed + 2, timeout_s)
-            warnings.append(f"created dataset {config.dataset!r} at {address}: "
-                            f"{described.rows} uniform points")
-        dataset = {"name": described.name, "rows": described.rows,
-                   "version": described.version, "engine": described.engine}
+            described = await _upload_uniform(
+                channel, connection, config.dataset, create_rows, config.seed + 2, timeout_s
+            )
+            warnings.append(
+                f"created dataset {config.dataset!r} at {address}: {described.rows} uniform points"
+            )
+        dataset = {
+            "name": described.name,
+            "rows": described.rows,
+            "version": described.version,
+            "engine": described.engine,
+        }
         return Prepared(server, dataset, warnings)
 
 
-async def drop_upload_scratch(address: str, connection: Connection,
-                              config: ScenarioConfig) -> int:
+async def drop_upload_scratch(address: str, connection: Connection, config: ScenarioConfig) -> int:
     """Drop the upload scenario's scratch datasets; returns how many were dropped."""
     dropped = 0
     async with connection.aio_channel(address) as channel:
         for slot in range(UPLOAD_SLOTS):
             try:
-                await _unary(channel, _SERVICE + "DropDataset",
-                             pb.DropDatasetRequest(dataset=f"{config.upload_prefix}-{slot}"),
-                             pb.DropDatasetResponse, connection, 30.0)
+                await _unary(
+                    channel,
+                    _SERVICE + "DropDataset",
+                    pb.DropDatasetRequest(dataset=f"{config.upload_prefix}-{slot}"),
+                    pb.DropDatasetResponse,
+                    connection,
+                    30.0,
+                )
                 dropped += 1
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:

@@ -6,6 +6,9 @@
 | sklearn        | BallTree(haversine), exact re-rank   | NumPy                 | -            |
 | cpu            | cKDTree on unit vectors, all cores   | NumPy                 | -            |
 | gpu            | GPU spatial index, float64 refine    | fused CuPy kernels    | CuPy + GPU   |
+| cuml           | cuML NearestNeighbors (comparison)   | cuML KMeans           | RAPIDS + GPU |
+| cupy-broadcast | naive CuPy broadcasting (baseline)   | CuPy                  | CuPy + GPU   |
+| dask           | partitions on Dask workers, merged   | tiled / partial sums  | distributed  |
 
 GPU engines are imported only when asked for, so importing geonear never imports CuPy.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from geonear.service.engines.base import (
     Engine,
@@ -33,8 +37,8 @@ __all__ = [
     "RadiusNeighbours",
     "create_engine",
     "engine_names",
-    "runnable_engine_names",
     "gpu_available",
+    "runnable_engine_names",
 ]
 
 #: Engine name -> "module:class", imported on first use.
@@ -45,6 +49,7 @@ _ENGINES: dict[str, str] = {
     "gpu": "geonear.service.engines.gpu:GPUEngine",
     "cuml": "geonear.service.engines.cuml_engines:CumlEngine",
     "cupy-broadcast": "geonear.service.engines.cuml_engines:CupyBroadcastEngine",
+    "dask": "geonear.service.engines.dask_cluster:DaskEngine",
 }
 
 #: Engines that need a working CUDA device.
@@ -111,6 +116,9 @@ def _engine_class(name: str) -> Callable[..., Engine]:
     return cls
 
 
-def create_engine(name: str, earth_radius_m: float = EARTH_RADIUS_M) -> Engine:
-    """Instantiate the engine called ``name``; raises EngineUnavailable with the reason."""
-    return _engine_class(name)(earth_radius_m=earth_radius_m)
+def create_engine(name: str, earth_radius_m: float = EARTH_RADIUS_M, **options: Any) -> Engine:
+    """Instantiate the engine called ``name``; raises EngineUnavailable with the reason.
+
+    ``options`` go to the engine's constructor (e.g. ``pool_size_bytes`` for ``gpu``).
+    """
+    return _engine_class(name)(earth_radius_m=earth_radius_m, **options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -38,28 +39,41 @@ def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
     return out
 
 
-def neighbour_table(
-    dataset: DatasetVersion,
-    query_index: np.ndarray,
-    rank: np.ndarray,
-    rows: np.ndarray,
-    distances_m: np.ndarray,
-    columns: Sequence[str],
-    earth_radius_m: float,
-) -> pa.Table:
-    """Result rows: query_index, rank, id, distance_m, then the requested attributes."""
-    take = pa.array(rows, type=pa.int64())
-    data = {
-        "query_index": pa.array(query_index, type=pa.int64()),
-        "rank": pa.array(rank, type=pa.int32()),
-        "id": dataset.table.column("id").take(take),
-        "distance_m": pa.array(distances_m, type=pa.float64()),
-    }
-    for name in columns:
-        data[name] = dataset.table.column(name).take(take)
-    metadata = {
-        "geonear.dataset": dataset.name,
-        "geonear.version": str(dataset.version),
-        "geonear.earth_radius_m": repr(earth_radius_m),
-    }
-    return pa.table(data).replace_schema_metadata(metadata)
+@dataclass(frozen=True)
+class NeighbourRows:
+    """Neighbour result rows in query order, nearest first per query.
+
+    ``rows`` are dataset row numbers; ``table()`` adds ids and attribute columns.
+    """
+
+    dataset: DatasetVersion
+    query_index: np.ndarray  # int64
+    rank: np.ndarray  # int32
+    rows: np.ndarray  # int64
+    distances_m: np.ndarray  # float64
+    columns: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.shape[0])
+
+    def ids(self) -> pa.Array | pa.ChunkedArray:
+        return self.dataset.table.column("id").take(pa.array(self.rows, type=pa.int64()))
+
+    def table(self, earth_radius_m: float) -> pa.Table:
+        """Result rows: query_index, rank, id, distance_m, then the requested attributes."""
+        take = pa.array(self.rows, type=pa.int64())
+        data = {
+            "query_index": pa.array(self.query_index, type=pa.int64()),
+            "rank": pa.array(self.rank, type=pa.int32()),
+            "id": self.dataset.table.column("id").take(take),
+            "distance_m": pa.array(self.distances_m, type=pa.float64()),
+        }
+        for name in self.columns:
+            data[name] = self.dataset.table.column(name).take(take)
+        metadata = {
+            "geonear.dataset": self.dataset.name,
+            "geonear.version": str(self.dataset.version),
+            "geonear.earth_radius_m": repr(earth_radius_m),
+        }
+        return pa.table(data).replace_schema_metadata(metadata)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
 
+from geonear.service.batching import Batcher
 from geonear.service.errors import InvalidInput, LimitExceeded
-from geonear.service.queries.common import check_columns, check_queries, neighbour_table
+from geonear.service.queries.common import NeighbourRows, check_columns, check_queries
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
@@ -22,9 +22,14 @@ def knn(
     max_distance_m: float | None = None,
     columns: Sequence[str] = (),
     limits: Limits,
-    earth_radius_m: float,
-) -> pa.Table:
-    """Neighbours of every query as a table, nearest first; see ``neighbour_table``."""
+    batcher: Batcher | None = None,
+    timeout_s: float | None = None,
+) -> NeighbourRows:
+    """Neighbours of every query, nearest first.
+
+    With a ``batcher``, the engine call may be shared with concurrent requests; a
+    request still queued after ``timeout_s`` is refused with DEADLINE_EXCEEDED.
+    """
     if k < 1:
         raise InvalidInput(f"k must be at least 1, got {k}")
     if k > limits.max_k:
@@ -32,16 +37,18 @@ def knn(
     if max_distance_m is not None and not (np.isfinite(max_distance_m) and max_distance_m >= 0):
         raise InvalidInput(f"max_distance_m must be a finite number >= 0, got {max_distance_m}")
     check_queries(lat, lon, limits)
-    columns = check_columns(dataset, columns)
-    found = dataset.index.knn(lat, lon, k, max_distance_m)
+    checked = tuple(check_columns(dataset, columns))
+    if batcher is None:
+        found = dataset.index.knn(lat, lon, k, max_distance_m)
+    else:
+        found = batcher.knn(dataset.index, lat, lon, k, max_distance_m, timeout_s)
     valid = found.indices >= 0
     query_index, rank = np.nonzero(valid)
-    return neighbour_table(
+    return NeighbourRows(
         dataset,
-        query_index,
-        rank,
+        query_index.astype(np.int64, copy=False),
+        rank.astype(np.int32),
         found.indices[valid],
         found.distances_m[valid],
-        columns,
-        earth_radius_m,
+        checked,
     )

@@ -197,6 +197,24 @@ class RadiusRequest(_message.Message):
     columns: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class CompactNeighbours(_message.Message):
+    __slots__ = ("query_index", "rank", "int_ids", "string_ids", "distance_m", "earth_radius_m", "dataset_version")
+    QUERY_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRING_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_M_FIELD_NUMBER: _ClassVar[int]
+    EARTH_RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    DATASET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    query_index: _containers.RepeatedScalarFieldContainer[int]
+    rank: _containers.RepeatedScalarFieldContainer[int]
+    int_ids: _containers.RepeatedScalarFieldContainer[int]
+    string_ids: _containers.RepeatedScalarFieldContainer[str]
+    distance_m: _containers.RepeatedScalarFieldContainer[float]
+    earth_radius_m: float
+    dataset_version: int
+    def __init__(self, query_index: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., int_ids: _Optional[_Iterable[int]] = ..., string_ids: _Optional[_Iterable[str]] = ..., distance_m: _Optional[_Iterable[float]] = ..., earth_radius_m: _Optional[float] = ..., dataset_version: _Optional[int] = ...) -> None: ...
+
 class IdList(_message.Message):
     __slots__ = ("int_ids", "string_ids")
     INT_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,16 @@ class GeoNearStub:
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
                 response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.KnnCompact = channel.unary_unary(
+                '/geonear.v1.GeoNear/KnnCompact',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.KnnRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.FromString,
+                _registered_method=True)
+        self.RadiusCompact = channel.unary_unary(
+                '/geonear.v1.GeoNear/RadiusCompact',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.FromString,
+                _registered_method=True)
         self.DistanceMatrix = channel.unary_stream(
                 '/geonear.v1.GeoNear/DistanceMatrix',
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.DistanceMatrixRequest.SerializeToString,
@@ -144,6 +154,22 @@ class GeoNearServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KnnCompact(self, request, context):
+        """Knn for small queries ("the 10 nearest stores") in one unary message with the results
+        inline, no Arrow: the cheapest path per call. Same semantics as Knn; no attribute
+        columns (ask Knn for those). Refused with RESOURCE_EXHAUSTED above 65 536 result rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RadiusCompact(self, request, context):
+        """Radius for small queries, inline like KnnCompact.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DistanceMatrix(self, request, context):
         """Great-circle distances between query points and a dataset (or a subset of it by
         id, or a second inline point set), streamed as row-major tiles.
@@ -204,6 +230,16 @@ def add_GeoNearServicer_to_server(servicer, server):
                     servicer.Radius,
                     request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.FromString,
                     response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'KnnCompact': grpc.unary_unary_rpc_method_handler(
+                    servicer.KnnCompact,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.KnnRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.SerializeToString,
+            ),
+            'RadiusCompact': grpc.unary_unary_rpc_method_handler(
+                    servicer.RadiusCompact,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.SerializeToString,
             ),
             'DistanceMatrix': grpc.unary_stream_rpc_method_handler(
                     servicer.DistanceMatrix,
@@ -410,6 +446,60 @@ class GeoNear:
             '/geonear.v1.GeoNear/Radius',
             geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
             geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KnnCompact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geonear.v1.GeoNear/KnnCompact',
+            geonear_dot_v1_dot_geonear__pb2.KnnRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RadiusCompact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/geonear.v1.GeoNear/RadiusCompact',
+            geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.CompactNeighbours.FromString,
             options,
             channel_credentials,
             insecure,
