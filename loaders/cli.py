@@ -58,24 +58,41 @@ def _dataset_name(source: str) -> str:
 
 # -- load ----------------------------------------------------------------------------------
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="file, glob, directory, '-' (CSV on standard input) or a "
-                                  f"bundled data set ({', '.join(DATA_SETS)})")
+    p.add_argument(
+        "source",
+        help="file, glob, directory, '-' (CSV on standard input) or a "
+        f"bundled data set ({', '.join(DATA_SETS)})",
+    )
     p.add_argument("--name", help="dataset name (default: the bundled name or file stem)")
     p.add_argument("--lat", help="latitude column (default: detected: lat, latitude, y)")
-    p.add_argument("--lon", help="longitude column (default: detected: lon, lng, long, "
-                                 "longitude, x)")
-    p.add_argument("--id", help="id column (default: detected: id, name, code; else row "
-                                "numbers)")
-    p.add_argument("--row-ids", action="store_true",
-                   help="number the rows as ids even if an id-like column exists")
-    p.add_argument("--mode", choices=["create", "replace", "append"], default="create",
-                   help="create fails if the dataset exists (default create)")
-    p.add_argument("--skip-invalid", action="store_true",
-                   help="drop rows with bad coordinates or ids instead of failing")
+    p.add_argument(
+        "--lon", help="longitude column (default: detected: lon, lng, long, longitude, x)"
+    )
+    p.add_argument("--id", help="id column (default: detected: id, name, code; else row numbers)")
+    p.add_argument(
+        "--row-ids",
+        action="store_true",
+        help="number the rows as ids even if an id-like column exists",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["create", "replace", "append"],
+        default="create",
+        help="create fails if the dataset exists (default create)",
+    )
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="drop rows with bad coordinates or ids instead of failing",
+    )
     p.add_argument("--format", choices=list(FORMATS), help="override detection by extension")
     p.add_argument("--delimiter", help="CSV delimiter (default: detected)")
-    p.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
-                   help=f"rows per uploaded batch (default {BATCH_ROWS})")
+    p.add_argument(
+        "--batch-rows",
+        type=int,
+        default=BATCH_ROWS,
+        help=f"rows per uploaded batch (default {BATCH_ROWS})",
+    )
     p.add_argument("--target", default=_DEFAULT_TARGET, help="server host:port")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of the upload")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -98,24 +115,32 @@ def run_load(args: argparse.Namespace) -> int:
         if task is None:
             total = source.total_rows or source.total_bytes
             task = progress.add_task(f"loading {name}", total=total, rows=0, rate=0.0)
-        done = source.bytes_read() if source.total_rows is None and source.bytes_read \
-            else read
+        done = source.bytes_read() if source.total_rows is None and source.bytes_read else read
         elapsed = max(time.perf_counter() - start, 1e-9)
         progress.update(task, completed=done, rows=read, rate=read / elapsed)
 
     def on_sent(stream: PointStream) -> None:
         if task is not None:
             total = progress.tasks[0].total
-            progress.update(task, description=f"storing {name}",
-                            completed=total if total else None)
+            progress.update(task, description=f"storing {name}", completed=total if total else None)
 
     with Client(args.target, timeout_s=args.timeout_s) as client, progress:
         result = upload_points(
-            client, name, "-" if args.source == "-" else args.source, mode=args.mode,
-            lat=args.lat, lon=args.lon, id=False if args.row_ids else args.id,
-            skip_invalid=args.skip_invalid, format=args.format, delimiter=args.delimiter,
-            batch_rows=args.batch_rows, on_batch=on_batch, on_sent=on_sent,
-            timeout_s=args.timeout_s)
+            client,
+            name,
+            "-" if args.source == "-" else args.source,
+            mode=args.mode,
+            lat=args.lat,
+            lon=args.lon,
+            id=False if args.row_ids else args.id,
+            skip_invalid=args.skip_invalid,
+            format=args.format,
+            delimiter=args.delimiter,
+            batch_rows=args.batch_rows,
+            on_batch=on_batch,
+            on_sent=on_sent,
+            timeout_s=args.timeout_s,
+        )
     if not args.quiet:
         Console().print(result.describe(), highlight=False, soft_wrap=True)
     return 0
@@ -124,14 +149,20 @@ def run_load(args: argparse.Namespace) -> int:
 # -- generate ------------------------------------------------------------------------------
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, required=True, help="number of points")
-    p.add_argument("--out", required=True,
-                   help="output file: .parquet, .csv or .arrow/.feather")
-    p.add_argument("--clustered", action="store_true",
-                   help="Gaussian clusters of unequal sizes (default: uniform on the sphere)")
+    p.add_argument("--out", required=True, help="output file: .parquet, .csv or .arrow/.feather")
+    p.add_argument(
+        "--clustered",
+        action="store_true",
+        help="Gaussian clusters of unequal sizes (default: uniform on the sphere)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clusters", type=int, default=200, help="clusters with --clustered")
-    p.add_argument("--spread-m", type=float, default=50_000.0,
-                   help="typical cluster radius, metres, with --clustered")
+    p.add_argument(
+        "--spread-m",
+        type=float,
+        default=50_000.0,
+        help="typical cluster radius, metres, with --clustered",
+    )
     p.add_argument("--format", choices=list(WRITE_FORMATS), help="override the extension")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
 
@@ -151,14 +182,24 @@ def run_generate(args: argparse.Namespace) -> int:
             elapsed = max(time.perf_counter() - start, 1e-9)
             progress.update(task, completed=done, rows=done, rate=done / elapsed)
 
-        rows = write_points(args.out, args.n, clustered=args.clustered, seed=args.seed,
-                            n_clusters=args.clusters, spread_m=args.spread_m,
-                            format=args.format, on_batch=on_batch)
+        rows = write_points(
+            args.out,
+            args.n,
+            clustered=args.clustered,
+            seed=args.seed,
+            n_clusters=args.clusters,
+            spread_m=args.spread_m,
+            format=args.format,
+            on_batch=on_batch,
+        )
     seconds = time.perf_counter() - start
     if not args.quiet:
         size_mb = Path(args.out).stat().st_size / 1e6
         kind = "clustered" if args.clustered else "uniform"
-        Console().print(f"wrote {rows:,} {kind} points (seed {args.seed}) to {args.out} "
-                        f"({size_mb:,.1f} MB) in {seconds:.1f} s", highlight=False,
-                        soft_wrap=True)
+        Console().print(
+            f"wrote {rows:,} {kind} points (seed {args.seed}) to {args.out} "
+            f"({size_mb:,.1f} MB) in {seconds:.1f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
     return 0

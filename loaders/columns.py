@@ -53,9 +53,11 @@ class ColumnMapping:
 
     def describe(self) -> str:
         """One line for people: which column became what."""
-        parts = [f"lat <- {self.lat!r}", f"lon <- {self.lon!r}",
-                 "id <- row numbers (no id column)" if self.id is None
-                 else f"id <- {self.id!r}"]
+        parts = [
+            f"lat <- {self.lat!r}",
+            f"lon <- {self.lon!r}",
+            "id <- row numbers (no id column)" if self.id is None else f"id <- {self.id!r}",
+        ]
         parts += [f"{old!r} renamed {new!r}" for old, new in self.renamed.items()]
         return ", ".join(parts)
 
@@ -72,9 +74,7 @@ def _resolve(names: Sequence[str], wanted: str, role: str) -> str:
     folded = [n for n in names if n.lower() == wanted.lower()]
     if len(folded) == 1:
         return folded[0]
-    raise ColumnError(
-        f"no {role} column {wanted!r}; columns found: {', '.join(names) or '(none)'}"
-    )
+    raise ColumnError(f"no {role} column {wanted!r}; columns found: {', '.join(names) or '(none)'}")
 
 
 def _detect(names: Sequence[str], spellings: Sequence[str], role: str) -> str | None:
@@ -155,8 +155,9 @@ def detect_columns(
     return ColumnMapping(lat=lat_name, lon=lon_name, id=picked["id"], renamed=renamed)
 
 
-def coordinate_candidates(names: Sequence[str], lat: str | None = None,
-                          lon: str | None = None) -> list[str]:
+def coordinate_candidates(
+    names: Sequence[str], lat: str | None = None, lon: str | None = None
+) -> list[str]:
     """Every column that may end up a coordinate (readers parse these as text first)."""
     out = candidates(names, LAT_NAMES + LON_NAMES)
     for given in (lat, lon):

@@ -50,8 +50,10 @@ def _id_type(schema: pa.Schema, name: str) -> pa.DataType:
         return pa.int64()
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return pa.string()
-    raise ColumnError(f"id column {name!r} has type {t}; ids must be integers or text "
-                      "(or pass id=False / --row-ids to number the rows)")
+    raise ColumnError(
+        f"id column {name!r} has type {t}; ids must be integers or text "
+        "(or pass id=False / --row-ids to number the rows)"
+    )
 
 
 def open_points(
@@ -67,25 +69,34 @@ def open_points(
     batch_rows: int = BATCH_ROWS,
 ) -> PointStream:
     """Open ``source`` as mapped, validated points; see :func:`read_points`."""
-    opened = open_source(source, format=format, delimiter=delimiter, header=header,
-                         lat=lat, lon=lon, batch_rows=batch_rows)
+    opened = open_source(
+        source,
+        format=format,
+        delimiter=delimiter,
+        header=header,
+        lat=lat,
+        lon=lon,
+        batch_rows=batch_rows,
+    )
     in_schema = opened.reader.schema
-    mapping = detect_columns(in_schema.names, lat=lat, lon=lon, id=id,
-                             geometry=opened.geometry)
+    mapping = detect_columns(in_schema.names, lat=lat, lon=lon, id=id, geometry=opened.geometry)
     id_type = pa.int64() if mapping.id is None else _id_type(in_schema, mapping.id)
     attributes = [n for n in in_schema.names if n not in (mapping.lat, mapping.lon, mapping.id)]
     ids_from = "row numbers" if mapping.id is None else f"column {mapping.id}"
     out_schema = pa.schema(
         [pa.field("id", id_type), pa.field("lat", pa.float64()), pa.field("lon", pa.float64())]
         + [in_schema.field(n).with_name(mapping.renamed.get(n, n)) for n in attributes],
-        metadata={IDS_METADATA: ids_from.encode()})
-    validator = PointValidator(skip_invalid=skip_invalid, check_ids=mapping.id is not None,
-                               what=opened.description)
+        metadata={IDS_METADATA: ids_from.encode()},
+    )
+    validator = PointValidator(
+        skip_invalid=skip_invalid, check_ids=mapping.id is not None, what=opened.description
+    )
 
     def mapped(batch: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
         if mapping.id is None:
-            ids: pa.Array = pa.array(np.arange(first_row, first_row + batch.num_rows,
-                                               dtype=np.int64))
+            ids: pa.Array = pa.array(
+                np.arange(first_row, first_row + batch.num_rows, dtype=np.int64)
+            )
         else:
             ids = batch.column(mapping.id)
             if pa.types.is_dictionary(ids.type):
@@ -149,8 +160,17 @@ def read_points(
     InvalidPoints
         While reading, once the whole input has been counted: the bad rows.
     """
-    return open_points(source, lat, lon, id, skip_invalid=skip_invalid, format=format,
-                       delimiter=delimiter, header=header, batch_rows=batch_rows).reader
+    return open_points(
+        source,
+        lat,
+        lon,
+        id,
+        skip_invalid=skip_invalid,
+        format=format,
+        delimiter=delimiter,
+        header=header,
+        batch_rows=batch_rows,
+    ).reader
 
 
 @dataclass(frozen=True)
@@ -171,8 +191,10 @@ class LoadResult:
 
     def describe(self) -> str:
         d = self.dataset
-        text = (f"loaded {self.rows_stored:,} rows into {d.name} (version {d.version}, "
-                f"{d.rows:,} rows) in {self.seconds:.1f} s, {self.rows_per_s:,.0f} rows/s")
+        text = (
+            f"loaded {self.rows_stored:,} rows into {d.name} (version {d.version}, "
+            f"{d.rows:,} rows) in {self.seconds:.1f} s, {self.rows_per_s:,.0f} rows/s"
+        )
         if self.rows_dropped:
             text += f"; dropped {self.rows_dropped:,} invalid rows"
         return text + f"; {self.mapping.describe()}"
@@ -204,8 +226,16 @@ def upload_points(
     ``mode="append"``. ``on_batch(rows, stream)`` is called after each batch is sent,
     ``on_sent(stream)`` once the last one is, while the server builds the new version.
     """
-    stream = open_points(source, lat, lon, id, skip_invalid=skip_invalid, format=format,
-                         delimiter=delimiter, batch_rows=batch_rows)
+    stream = open_points(
+        source,
+        lat,
+        lon,
+        id,
+        skip_invalid=skip_invalid,
+        format=format,
+        delimiter=delimiter,
+        batch_rows=batch_rows,
+    )
     schema = stream.reader.schema
     # On append the server numbers rows after its last id, so row numbers are not sent.
     drop_ids = stream.ids_are_row_numbers and mode == "append"
@@ -223,8 +253,11 @@ def upload_points(
         try:
             batch: pa.RecordBatch | None = first
             while batch is not None:
-                out = pa.RecordBatch.from_arrays(batch.columns[1:], schema=schema) \
-                    if drop_ids else batch
+                out = (
+                    pa.RecordBatch.from_arrays(batch.columns[1:], schema=schema)
+                    if drop_ids
+                    else batch
+                )
                 yield out
                 if on_batch is not None:
                     on_batch(batch.num_rows, stream)
@@ -236,21 +269,32 @@ def upload_points(
             raise
 
     try:
-        info = client.upload(name, pa.RecordBatchReader.from_batches(schema, batches()),
-                             mode=mode, timeout_s=timeout_s)
+        info = client.upload(
+            name,
+            pa.RecordBatchReader.from_batches(schema, batches()),
+            mode=mode,
+            timeout_s=timeout_s,
+        )
     except Exception as exc:
         if failure:
             raise failure[0] from None
         raise exc
     seconds = time.perf_counter() - start
     report = stream.report
-    return LoadResult(dataset=info, rows_read=report.rows_read, rows_stored=report.rows_kept,
-                      rows_dropped=report.rows_dropped, mapping=stream.mapping,
-                      ids_are_row_numbers=stream.ids_are_row_numbers, seconds=seconds)
+    return LoadResult(
+        dataset=info,
+        rows_read=report.rows_read,
+        rows_stored=report.rows_kept,
+        rows_dropped=report.rows_dropped,
+        mapping=stream.mapping,
+        ids_are_row_numbers=stream.ids_are_row_numbers,
+        seconds=seconds,
+    )
 
 
-def read_query_points(source: Any, lat: str | None = None, lon: str | None = None,
-                      **options: Any) -> tuple[np.ndarray, np.ndarray]:
+def read_query_points(
+    source: Any, lat: str | None = None, lon: str | None = None, **options: Any
+) -> tuple[np.ndarray, np.ndarray]:
     """(lat, lon) float64 arrays of a file of query points, validated; row order kept.
 
     Ids are not needed for queries: a result's ``query_index`` is the row number.

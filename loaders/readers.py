@@ -38,17 +38,37 @@ from geonear.loaders.columns import coordinate_candidates
 BATCH_ROWS = 131_072
 _SAMPLE_BYTES = 1 << 16
 _EXTENSIONS = {
-    ".csv": "csv", ".tsv": "csv", ".tab": "csv", ".txt": "csv", ".psv": "csv",
-    ".parquet": "parquet", ".pq": "parquet", ".geoparquet": "parquet",
-    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow", ".arrows": "arrow",
-    ".geojson": "geojson", ".json": "geojson", ".geojsonl": "geojson",
-    ".geojsons": "geojson", ".geojsonseq": "geojson", ".ndjson": "geojson",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".tab": "csv",
+    ".txt": "csv",
+    ".psv": "csv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".geoparquet": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".arrows": "arrow",
+    ".geojson": "geojson",
+    ".json": "geojson",
+    ".geojsonl": "geojson",
+    ".geojsons": "geojson",
+    ".geojsonseq": "geojson",
+    ".ndjson": "geojson",
 }
 _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 FORMATS = ("csv", "parquet", "arrow", "geojson")
 _DELIMITERS = (",", "\t", ";", "|")
-_WKB_TYPES = {1: "Point", 2: "LineString", 3: "Polygon", 4: "MultiPoint",
-              5: "MultiLineString", 6: "MultiPolygon", 7: "GeometryCollection"}
+_WKB_TYPES = {
+    1: "Point",
+    2: "LineString",
+    3: "Polygon",
+    4: "MultiPoint",
+    5: "MultiLineString",
+    6: "MultiPolygon",
+    7: "GeometryCollection",
+}
 
 
 @dataclass
@@ -123,14 +143,18 @@ def open_source(
     return _open_object(source, batch_rows)
 
 
-def _open_path(text: str, format: str | None, csv_options: dict[str, Any],
-               batch_rows: int) -> Source:
+def _open_path(
+    text: str, format: str | None, csv_options: dict[str, Any], batch_rows: int
+) -> Source:
     if text == "-":
         return _read_csv(sys.stdin.buffer, "CSV on standard input", csv_options, batch_rows)
     path = Path(text)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _format_of(p, None)
-                       and not p.name.startswith((".", "_")))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and _format_of(p, None) and not p.name.startswith((".", "_"))
+        )
         if not files:
             raise FileNotFoundError(f"no readable files in directory {text}")
         return _open_files(files, format, csv_options, batch_rows, f"directory {text}")
@@ -145,8 +169,9 @@ def _open_path(text: str, format: str | None, csv_options: dict[str, Any],
 
     if text in DATA_SETS:
         table = load_bundled(text)
-        return Source(table.to_reader(batch_rows), f"bundled data set {text}",
-                      total_rows=table.num_rows)
+        return Source(
+            table.to_reader(batch_rows), f"bundled data set {text}", total_rows=table.num_rows
+        )
     raise FileNotFoundError(
         f"{text} is not a file, directory, glob or bundled data set "
         f"(bundled: {', '.join(DATA_SETS)})"
@@ -175,12 +200,19 @@ def _sniff_format(path: Path) -> str:
     return "csv"
 
 
-def _open_files(files: Sequence[Path], format: str | None, csv_options: dict[str, Any],
-                batch_rows: int, what: str) -> Source:
+def _open_files(
+    files: Sequence[Path],
+    format: str | None,
+    csv_options: dict[str, Any],
+    batch_rows: int,
+    what: str,
+) -> Source:
     formats = {_format_of(p, format) or _sniff_format(p) for p in files}
     if len(formats) > 1:
-        raise ValueError(f"{what} mixes formats ({', '.join(sorted(formats))}); "
-                         "load one format at a time or pass format=")
+        raise ValueError(
+            f"{what} mixes formats ({', '.join(sorted(formats))}); "
+            "load one format at a time or pass format="
+        )
     (fmt,) = formats
     if len(files) == 1:
         path = files[0]
@@ -211,13 +243,13 @@ def _open_object(obj: Any, batch_rows: int) -> Source:
         return _from_table(obj, batch_rows, "pyarrow Table")
     if isinstance(obj, ds.Dataset):
         scanner = obj.scanner(batch_size=batch_rows)
-        return _with_geometry(scanner.to_reader(), "pyarrow Dataset", obj.count_rows(),
-                              batch_rows)
+        return _with_geometry(scanner.to_reader(), "pyarrow Dataset", obj.count_rows(), batch_rows)
     if isinstance(obj, pa.RecordBatchReader):
         return _with_geometry(obj, "pyarrow RecordBatchReader", None, batch_rows)
     if hasattr(obj, "__arrow_c_stream__"):
-        return _with_geometry(pa.RecordBatchReader.from_stream(obj),
-                              type(obj).__name__, None, batch_rows)
+        return _with_geometry(
+            pa.RecordBatchReader.from_stream(obj), type(obj).__name__, None, batch_rows
+        )
     raise TypeError(
         "cannot read points from a "
         f"{type(obj).__name__}: give a path, glob, '-', bundled name, pandas or GeoPandas "
@@ -237,8 +269,9 @@ def _rechunk(batches: Iterable[pa.RecordBatch], batch_rows: int) -> Iterator[pa.
             yield batch.slice(start, batch_rows)
 
 
-def _reader(schema: pa.Schema, batches: Iterable[pa.RecordBatch],
-            batch_rows: int) -> pa.RecordBatchReader:
+def _reader(
+    schema: pa.Schema, batches: Iterable[pa.RecordBatch], batch_rows: int
+) -> pa.RecordBatchReader:
     return pa.RecordBatchReader.from_batches(schema, _rechunk(batches, batch_rows))
 
 
@@ -272,8 +305,9 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def sniff_csv(sample: str, delimiter: str | None = None,
-              header: bool | None = None) -> tuple[str, bool, list[str]]:
+def sniff_csv(
+    sample: str, delimiter: str | None = None, header: bool | None = None
+) -> tuple[str, bool, list[str]]:
     """(delimiter, has_header, first row's fields) of a CSV from its first lines.
 
     The delimiter is the candidate that splits every sampled line into the same number
@@ -298,8 +332,9 @@ def sniff_csv(sample: str, delimiter: str | None = None,
     if header is None:
         first = rows[0]
         if len(rows) > 1:
-            header = any(not _is_number(a) and _is_number(b)
-                         for a, b in zip(first, rows[1], strict=False))
+            header = any(
+                not _is_number(a) and _is_number(b) for a, b in zip(first, rows[1], strict=False)
+            )
             header = header or not any(_is_number(a) for a in first if a.strip())
         else:
             header = not all(_is_number(a) for a in first if a.strip())
@@ -313,23 +348,22 @@ def _csv_names(sample_bytes: bytes, options: dict[str, Any]) -> tuple[str, bool,
     return delimiter, header, names
 
 
-def _csv_options(sample_bytes: bytes, options: dict[str, Any]) -> tuple[
-        pacsv.ReadOptions, pacsv.ParseOptions, pacsv.ConvertOptions]:
+def _csv_options(
+    sample_bytes: bytes, options: dict[str, Any]
+) -> tuple[pacsv.ReadOptions, pacsv.ParseOptions, pacsv.ConvertOptions]:
     delimiter, header, names = _csv_names(sample_bytes, options)
     text_columns = coordinate_candidates(names, options["lat"], options["lon"])
     return (
         # Arrow's streaming CSV reader reads a fixed number of blocks ahead: small blocks
         # keep that read-ahead (and so memory) to tens of MB whatever the file's size.
-        pacsv.ReadOptions(column_names=names, skip_rows=1 if header else 0,
-                          block_size=1 << 20),
+        pacsv.ReadOptions(column_names=names, skip_rows=1 if header else 0, block_size=1 << 20),
         pacsv.ParseOptions(delimiter=delimiter),
         # Coordinates are parsed later, by row, so a bad value is reported with its row.
         pacsv.ConvertOptions(column_types={c: pa.string() for c in text_columns}),
     )
 
 
-def _read_csv(source: Path | Any, what: str, options: dict[str, Any],
-              batch_rows: int) -> Source:
+def _read_csv(source: Path | Any, what: str, options: dict[str, Any], batch_rows: int) -> Source:
     """CSV from a file path (read natively) or a binary stream such as standard input."""
     size = None
     if isinstance(source, Path):
@@ -343,8 +377,12 @@ def _read_csv(source: Path | Any, what: str, options: dict[str, Any],
         stream = io.BufferedReader(_Prefixed(sample_bytes, source), buffer_size=1 << 20)
     read_options, parse_options, convert_options = _csv_options(sample_bytes, options)
     try:
-        reader = pacsv.open_csv(stream, read_options=read_options,
-                                parse_options=parse_options, convert_options=convert_options)
+        reader = pacsv.open_csv(
+            stream,
+            read_options=read_options,
+            parse_options=parse_options,
+            convert_options=convert_options,
+        )
     except pa.ArrowInvalid as exc:
         raise ValueError(f"cannot read {what}: {exc}") from exc
 
@@ -364,16 +402,21 @@ def _read_csv(source: Path | Any, what: str, options: dict[str, Any],
         except (OSError, ValueError):
             return 0
 
-    return Source(_reader(reader.schema, batches(), batch_rows), what,
-                  total_bytes=size, bytes_read=bytes_read if size else None)
+    return Source(
+        _reader(reader.schema, batches(), batch_rows),
+        what,
+        total_bytes=size,
+        bytes_read=bytes_read if size else None,
+    )
 
 
 def _csv_format(path: Path, options: dict[str, Any]) -> ds.CsvFileFormat:
     with pa.input_stream(str(path), compression="detect") as f:
         sample_bytes = f.read(_SAMPLE_BYTES)
     read_options, parse_options, convert_options = _csv_options(sample_bytes, options)
-    return ds.CsvFileFormat(parse_options=parse_options, read_options=read_options,
-                            convert_options=convert_options)
+    return ds.CsvFileFormat(
+        parse_options=parse_options, read_options=read_options, convert_options=convert_options
+    )
 
 
 # -- Parquet, Arrow, datasets -----------------------------------------------------------
@@ -398,34 +441,37 @@ def _read_arrow(path: Path, batch_rows: int) -> Source:
             stream = pa.ipc.open_stream(pa.memory_map(str(path)))
         except pa.ArrowInvalid as exc:
             raise ValueError(f"{path} is neither an Arrow IPC file nor stream: {exc}") from exc
-        return _with_geometry(_reader(stream.schema, stream, batch_rows),
-                              f"Arrow IPC stream {path}", None, batch_rows)
+        return _with_geometry(
+            _reader(stream.schema, stream, batch_rows), f"Arrow IPC stream {path}", None, batch_rows
+        )
     rows = sum(file.get_batch(i).num_rows for i in range(file.num_record_batches))
     batches = (file.get_batch(i) for i in range(file.num_record_batches))
-    return _with_geometry(_reader(file.schema, batches, batch_rows),
-                          f"Arrow IPC file {path}", rows, batch_rows)
+    return _with_geometry(
+        _reader(file.schema, batches, batch_rows), f"Arrow IPC file {path}", rows, batch_rows
+    )
 
 
-def _read_dataset(files: Sequence[Path], fmt: str, csv_options: dict[str, Any],
-                  batch_rows: int, what: str) -> Source:
+def _read_dataset(
+    files: Sequence[Path], fmt: str, csv_options: dict[str, Any], batch_rows: int, what: str
+) -> Source:
     file_format: Any = "ipc"
     if fmt == "parquet":
-        file_format = ds.ParquetFileFormat(default_fragment_scan_options=ds.
-                                           ParquetFragmentScanOptions(pre_buffer=False,
-                                                                      buffer_size=1 << 20))
+        file_format = ds.ParquetFileFormat(
+            default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+                pre_buffer=False, buffer_size=1 << 20
+            )
+        )
     elif fmt == "csv":
         file_format = _csv_format(files[0], csv_options)
     try:
         dataset = ds.dataset([str(p) for p in files], format=file_format)
         # Little read-ahead keeps memory bounded on large files.
-        scanner = dataset.scanner(batch_size=batch_rows, batch_readahead=2,
-                                  fragment_readahead=1)
+        scanner = dataset.scanner(batch_size=batch_rows, batch_readahead=2, fragment_readahead=1)
         rows = dataset.count_rows() if fmt != "csv" else None
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"cannot read {what}: {exc}") from exc
     size = sum(p.stat().st_size for p in files) if fmt == "csv" else None
-    return _with_geometry(scanner.to_reader(), f"{fmt} {what}", rows, batch_rows,
-                          total_bytes=size)
+    return _with_geometry(scanner.to_reader(), f"{fmt} {what}", rows, batch_rows, total_bytes=size)
 
 
 # -- point geometries ----------------------------------------------------------------------
@@ -447,13 +493,17 @@ def _check_crs(crs: Any, column: str) -> None:
     elif isinstance(crs, dict):
         ident = crs.get("id") or {}
         if (str(ident.get("authority", "")).upper(), str(ident.get("code", ""))) in (
-                ("EPSG", "4326"), ("OGC", "CRS84")):
+            ("EPSG", "4326"),
+            ("OGC", "CRS84"),
+        ):
             return
         if crs.get("type") == "GeographicCRS" and "WGS 84" in str(crs.get("name", "")):
             return
     name = crs.get("name") if isinstance(crs, dict) else crs
-    raise ValueError(f"geometry column {column!r} uses CRS {name!r}; geonear needs "
-                     "longitude/latitude on WGS84 (EPSG:4326): reproject it first")
+    raise ValueError(
+        f"geometry column {column!r} uses CRS {name!r}; geonear needs "
+        "longitude/latitude on WGS84 (EPSG:4326): reproject it first"
+    )
 
 
 def _geometry_column(schema: pa.Schema) -> tuple[str, str] | None:
@@ -470,8 +520,10 @@ def _geometry_column(schema: pa.Schema) -> tuple[str, str] | None:
             _check_crs(info.get("crs"), column)
             encoding = str(info.get("encoding", "WKB")).lower()
             if encoding not in ("wkb", "point"):
-                raise ValueError(f"geometry column {column!r} is encoded as {encoding}; "
-                                 "only point geometries (WKB or GeoArrow point) load")
+                raise ValueError(
+                    f"geometry column {column!r} is encoded as {encoding}; "
+                    "only point geometries (WKB or GeoArrow point) load"
+                )
             return column, encoding
     for field in schema:
         ext = _extension_name(field)
@@ -516,17 +568,22 @@ def decode_wkb_points(array: pa.Array, first_row: int = 0) -> tuple[np.ndarray, 
     if n == 0:
         return lon, lat
     buffers = array.buffers()
-    offsets = np.frombuffer(buffers[1], dtype=offset_type)[array.offset:array.offset + n + 1]
-    data = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.empty(
-        0, np.uint8)
+    offsets = np.frombuffer(buffers[1], dtype=offset_type)[array.offset : array.offset + n + 1]
+    data = (
+        np.frombuffer(buffers[2], dtype=np.uint8)
+        if buffers[2] is not None
+        else np.empty(0, np.uint8)
+    )
     valid = ~np.asarray(array.is_null().to_numpy(zero_copy_only=False), dtype=bool)
     starts = offsets[:-1].astype(np.int64)
     lengths = np.diff(offsets).astype(np.int64)
     short = valid & (lengths < 21)
     if short.any():
         rows = np.flatnonzero(short)[:5] + first_row
-        raise ValueError(f"{int(short.sum())} geometry value(s) too short for a WKB point "
-                         f"(rows {', '.join(map(str, rows))})")
+        raise ValueError(
+            f"{int(short.sum())} geometry value(s) too short for a WKB point "
+            f"(rows {', '.join(map(str, rows))})"
+        )
     rows = np.flatnonzero(valid)
     if rows.size == 0:
         return lon, lat
@@ -545,16 +602,22 @@ def decode_wkb_points(array: pa.Array, first_row: int = 0) -> tuple[np.ndarray, 
     not_point = base != 1
     if not_point.any():
         bad = np.flatnonzero(not_point)[:5]
-        shown = ", ".join(f"row {int(rows[i]) + first_row}: "
-                          f"{_WKB_TYPES.get(int(base[i]), f'type {int(base[i])}')}"
-                          for i in bad)
-        raise ValueError(f"{int(not_point.sum())} geometries are not points (first: {shown}); "
-                         "only Point geometries can be loaded")
+        shown = ", ".join(
+            f"row {int(rows[i]) + first_row}: "
+            f"{_WKB_TYPES.get(int(base[i]), f'type {int(base[i])}')}"
+            for i in bad
+        )
+        raise ValueError(
+            f"{int(not_point.sum())} geometries are not points (first: {shown}); "
+            "only Point geometries can be loaded"
+        )
     at = s + 5 + 4 * has_srid
     too_short = lengths[rows] < (at - s) + 16
     if too_short.any():
-        raise ValueError(f"{int(too_short.sum())} WKB points are truncated "
-                         f"(first row {int(rows[np.flatnonzero(too_short)[0]]) + first_row})")
+        raise ValueError(
+            f"{int(too_short.sum())} WKB points are truncated "
+            f"(first row {int(rows[np.flatnonzero(too_short)[0]]) + first_row})"
+        )
     lon[rows] = gather(at, 8, "f")
     lat[rows] = gather(at + 8, 8, "f")
     return lon, lat
@@ -576,27 +639,39 @@ def _decode_geoarrow_point(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         full[np.repeat(~null, width)] = flat
         x, y = full[0::width], full[1::width]
     else:
-        raise ValueError(f"GeoArrow point column must be a struct or fixed-size list, "
-                         f"got {array.type}")
+        raise ValueError(
+            f"GeoArrow point column must be a struct or fixed-size list, got {array.type}"
+        )
     x = np.where(null, np.nan, x)
     y = np.where(null, np.nan, y)
     return x, y
 
 
-def _with_geometry(reader: pa.RecordBatchReader, what: str, rows: int | None,
-                   batch_rows: int, total_bytes: int | None = None) -> Source:
+def _with_geometry(
+    reader: pa.RecordBatchReader,
+    what: str,
+    rows: int | None,
+    batch_rows: int,
+    total_bytes: int | None = None,
+) -> Source:
     """Wrap ``reader`` so that a point geometry column becomes lat and lon columns."""
     found = _geometry_column(reader.schema)
     if found is None:
-        return Source(_reader(reader.schema, reader, batch_rows), what, total_rows=rows,
-                      total_bytes=total_bytes)
+        return Source(
+            _reader(reader.schema, reader, batch_rows),
+            what,
+            total_rows=rows,
+            total_bytes=total_bytes,
+        )
     column, encoding = found
     names = [n for n in reader.schema.names if n != column]
     lat_name = "lat" if "lat" not in names else "geometry_lat"
     lon_name = "lon" if "lon" not in names else "geometry_lon"
     fields = [reader.schema.field(n) for n in names]
-    schema = pa.schema([pa.field(lat_name, pa.float64()), pa.field(lon_name, pa.float64()),
-                        *fields], metadata=reader.schema.metadata)
+    schema = pa.schema(
+        [pa.field(lat_name, pa.float64()), pa.field(lon_name, pa.float64()), *fields],
+        metadata=reader.schema.metadata,
+    )
     index = reader.schema.get_field_index(column)
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -611,27 +686,38 @@ def _with_geometry(reader: pa.RecordBatchReader, what: str, rows: int | None,
             row += batch.num_rows
             yield pa.RecordBatch.from_arrays(columns, schema=schema)
 
-    return Source(_reader(schema, batches(), batch_rows), what, total_rows=rows,
-                  total_bytes=total_bytes, geometry=(lat_name, lon_name))
+    return Source(
+        _reader(schema, batches(), batch_rows),
+        what,
+        total_rows=rows,
+        total_bytes=total_bytes,
+        geometry=(lat_name, lon_name),
+    )
 
 
 def _is_geodataframe(obj: Any) -> bool:
-    return any(c.__module__.startswith("geopandas") and c.__name__ == "GeoDataFrame"
-               for c in type(obj).__mro__)
+    return any(
+        c.__module__.startswith("geopandas") and c.__name__ == "GeoDataFrame"
+        for c in type(obj).__mro__
+    )
 
 
 def _read_geopandas(frame: Any, batch_rows: int) -> Source:
     """A GeoDataFrame of points: its active geometry decoded through WKB."""
     if frame.crs is not None and frame.crs.to_epsg() != 4326:
-        raise ValueError(f"the GeoDataFrame's CRS is {frame.crs.to_string()}; convert it "
-                         "with frame.to_crs(4326) first")
+        raise ValueError(
+            f"the GeoDataFrame's CRS is {frame.crs.to_string()}; convert it "
+            "with frame.to_crs(4326) first"
+        )
     geometry = frame.geometry.name
-    table = pa.Table.from_pandas(pd.DataFrame(frame.drop(columns=[geometry])),
-                                 preserve_index=None)
+    table = pa.Table.from_pandas(pd.DataFrame(frame.drop(columns=[geometry])), preserve_index=None)
     wkb = pa.array(frame.geometry.to_wkb(), pa.binary())
     table = table.append_column(pa.field(geometry, pa.binary()), wkb)
-    meta = {b"geo": json.dumps({"primary_column": geometry,
-                                "columns": {geometry: {"encoding": "WKB"}}}).encode()}
+    meta = {
+        b"geo": json.dumps(
+            {"primary_column": geometry, "columns": {geometry: {"encoding": "WKB"}}}
+        ).encode()
+    }
     table = table.replace_schema_metadata(meta)
     source = _from_table(table, batch_rows, "GeoDataFrame")
     return source
@@ -660,7 +746,7 @@ class _JsonStream:
         if not chunk:
             self._eof = True
             return False
-        self._buf = self._buf[self._pos:] + chunk
+        self._buf = self._buf[self._pos :] + chunk
         self._pos = 0
         return True
 
@@ -691,8 +777,7 @@ class _JsonStream:
                     continue
                 raise ValueError(f"invalid GeoJSON in {self._what}: {exc}") from exc
             # A number at the very end of the buffer may continue in the next chunk.
-            if (end == len(self._buf) and isinstance(value, int | float)
-                    and self._fill()):
+            if end == len(self._buf) and isinstance(value, int | float) and self._fill():
                 continue
             self._pos = end
             return value
@@ -724,8 +809,10 @@ def _geojson_features(stream: _JsonStream) -> Iterator[dict[str, Any]]:
         if members.get("type") == "Feature":
             yield members
         elif members.get("type") not in ("FeatureCollection", None):
-            raise ValueError(f"GeoJSON object of type {members.get('type')!r} holds no "
-                             "features; give a FeatureCollection or Features")
+            raise ValueError(
+                f"GeoJSON object of type {members.get('type')!r} holds no "
+                "features; give a FeatureCollection or Features"
+            )
 
 
 def _features_of(value: Any) -> Iterator[dict[str, Any]]:
@@ -740,8 +827,9 @@ def _features_of(value: Any) -> Iterator[dict[str, Any]]:
         raise ValueError("GeoJSON input must hold Feature objects")
 
 
-def _feature_rows(features: Iterable[dict[str, Any]], first_row: int
-                  ) -> Iterator[tuple[float, float, dict[str, Any]]]:
+def _feature_rows(
+    features: Iterable[dict[str, Any]], first_row: int
+) -> Iterator[tuple[float, float, dict[str, Any]]]:
     for i, feature in enumerate(features, first_row):
         geometry = feature.get("geometry")
         props = dict(feature.get("properties") or {})
@@ -752,8 +840,9 @@ def _feature_rows(features: Iterable[dict[str, Any]], first_row: int
             continue
         kind = geometry.get("type")
         if kind != "Point":
-            raise ValueError(f"feature {i} has a {kind} geometry; only Point features "
-                             "can be loaded")
+            raise ValueError(
+                f"feature {i} has a {kind} geometry; only Point features can be loaded"
+            )
         coords = geometry.get("coordinates") or []
         if len(coords) < 2:
             yield float("nan"), float("nan"), props
@@ -772,8 +861,9 @@ def _read_geojson_files(files: Sequence[Path], batch_rows: int, what: str) -> So
     first = _geojson_batch(rows, batch_rows, None)
     if first is None:
         schema = pa.schema([("lat", pa.float64()), ("lon", pa.float64())])
-        return Source(pa.RecordBatchReader.from_batches(schema, iter(())), what,
-                      geometry=("lat", "lon"))
+        return Source(
+            pa.RecordBatchReader.from_batches(schema, iter(())), what, geometry=("lat", "lon")
+        )
     schema = first.schema
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -782,12 +872,14 @@ def _read_geojson_files(files: Sequence[Path], batch_rows: int, what: str) -> So
             yield batch
 
     lat_name, lon_name = schema.names[0], schema.names[1]
-    return Source(pa.RecordBatchReader.from_batches(schema, batches()), what,
-                  geometry=(lat_name, lon_name))
+    return Source(
+        pa.RecordBatchReader.from_batches(schema, batches()), what, geometry=(lat_name, lon_name)
+    )
 
 
-def _geojson_batch(rows: Iterator[tuple[float, float, dict[str, Any]]], batch_rows: int,
-                   schema: pa.Schema | None) -> pa.RecordBatch | None:
+def _geojson_batch(
+    rows: Iterator[tuple[float, float, dict[str, Any]]], batch_rows: int, schema: pa.Schema | None
+) -> pa.RecordBatch | None:
     """The next batch of features; the first batch fixes the schema of the rest."""
     lons, lats, props = [], [], []
     for lon, lat, p in rows:
@@ -802,18 +894,18 @@ def _geojson_batch(rows: Iterator[tuple[float, float, dict[str, Any]]], batch_ro
         attrs = pa.Table.from_pylist(props)
         lat_name = "lat" if "lat" not in attrs.column_names else "geometry_lat"
         lon_name = "lon" if "lon" not in attrs.column_names else "geometry_lon"
-        schema = pa.schema([(lat_name, pa.float64()), (lon_name, pa.float64()),
-                            *attrs.schema])
+        schema = pa.schema([(lat_name, pa.float64()), (lon_name, pa.float64()), *attrs.schema])
     else:
         try:
             attrs = pa.Table.from_pylist(props, schema=pa.schema(list(schema)[2:]))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise ValueError(f"GeoJSON properties change type after the first {batch_rows} "
-                             f"features: {exc}") from exc
+            raise ValueError(
+                f"GeoJSON properties change type after the first {batch_rows} features: {exc}"
+            ) from exc
     coords = [_coordinate_array(lats), _coordinate_array(lons)]
-    return pa.RecordBatch.from_arrays(coords + [attrs.column(i).combine_chunks()
-                                                for i in range(attrs.num_columns)],
-                                      schema=schema)
+    return pa.RecordBatch.from_arrays(
+        coords + [attrs.column(i).combine_chunks() for i in range(attrs.num_columns)], schema=schema
+    )
 
 
 def _coordinate_array(values: list[Any]) -> pa.Array:
@@ -821,5 +913,7 @@ def _coordinate_array(values: list[Any]) -> pa.Array:
     try:
         return pa.array(values, pa.float64())
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-        return pa.array([v if isinstance(v, int | float) and not isinstance(v, bool) else None
-                         for v in values], pa.float64())
+        return pa.array(
+            [v if isinstance(v, int | float) and not isinstance(v, bool) else None for v in values],
+            pa.float64(),
+        )

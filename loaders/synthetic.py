@@ -79,8 +79,11 @@ class _Clusters:
     def draw(cls, seed: int, n_clusters: int, spread_m: float) -> _Clusters:
         rng = np.random.default_rng([seed, 1 << 32])
         weights = 1.0 / np.arange(1, n_clusters + 1) ** 1.1
-        return cls(_to_xyz(*_uniform(rng, n_clusters)), weights / weights.sum(),
-                   rng.uniform(0.1, 3.0, n_clusters) * spread_m / EARTH_RADIUS_M)
+        return cls(
+            _to_xyz(*_uniform(rng, n_clusters)),
+            weights / weights.sum(),
+            rng.uniform(0.1, 3.0, n_clusters) * spread_m / EARTH_RADIUS_M,
+        )
 
     def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         member = rng.choice(self.centres.shape[0], size=n, p=self.probability)
@@ -113,8 +116,9 @@ def generate_points(
             rng = np.random.default_rng([seed, chunk])
             lat, lon = clusters.sample(rng, m) if clusters else _uniform(rng, m)
             ids = np.arange(start, start + m, dtype=np.int64)
-            yield pa.RecordBatch.from_arrays([pa.array(ids), pa.array(lat), pa.array(lon)],
-                                             schema=SCHEMA)
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(ids), pa.array(lat), pa.array(lon)], schema=SCHEMA
+            )
 
     return pa.RecordBatchReader.from_batches(SCHEMA, batches())
 
@@ -134,8 +138,9 @@ def write_points(
 
     One chunk at a time is in memory; ``on_batch(rows)`` follows each. Returns ``n``.
     """
-    reader = generate_points(n, clustered=clustered, seed=seed, n_clusters=n_clusters,
-                             spread_m=spread_m)
+    reader = generate_points(
+        n, clustered=clustered, seed=seed, n_clusters=n_clusters, spread_m=spread_m
+    )
 
     def batches() -> Iterator[pa.RecordBatch]:
         for batch in reader:

@@ -33,8 +33,12 @@ _NUMBER = r"^\s*[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)\s*$"
 MISSING, NOT_A_NUMBER, NAN, INFINITE, OUT_OF_RANGE = 1, 2, 3, 4, 5
 MISSING_ID, DUPLICATE_ID = 6, 7
 _REASONS = {
-    MISSING: "missing coordinate", NOT_A_NUMBER: "not a number", NAN: "NaN",
-    INFINITE: "infinite", OUT_OF_RANGE: "out of range", MISSING_ID: "missing id",
+    MISSING: "missing coordinate",
+    NOT_A_NUMBER: "not a number",
+    NAN: "NaN",
+    INFINITE: "infinite",
+    OUT_OF_RANGE: "out of range",
+    MISSING_ID: "missing id",
     DUPLICATE_ID: "duplicate id",
 }
 
@@ -93,8 +97,9 @@ def _as_text(value: Any) -> Any:
     return value if value is None or isinstance(value, str | int | float) else str(value)
 
 
-def coordinates_to_float(column: pa.Array | pa.ChunkedArray, name: str
-                         ) -> tuple[np.ndarray, np.ndarray]:
+def coordinates_to_float(
+    column: pa.Array | pa.ChunkedArray, name: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(values float64, reason per row) of a coordinate column.
 
     Numbers are cast; text is parsed where it is a number and flagged NOT_A_NUMBER
@@ -109,22 +114,23 @@ def coordinates_to_float(column: pa.Array | pa.ChunkedArray, name: str
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         text = pc.utf8_trim_whitespace(column)
         empty = pc.fill_null(pc.equal(text, ""), True)
-        is_number = pc.fill_null(pc.match_substring_regex(text, _NUMBER, ignore_case=True),
-                                 False)
+        is_number = pc.fill_null(pc.match_substring_regex(text, _NUMBER, ignore_case=True), False)
         reason[np.asarray(pc.and_(pc.invert(is_number), pc.invert(empty)))] = NOT_A_NUMBER
         reason[np.asarray(empty)] = MISSING
-        column = pc.cast(pc.if_else(is_number, text, pa.scalar(None, pa.string())),
-                         pa.float64())
-    elif (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)
-          or pa.types.is_decimal(column.type)):
+        column = pc.cast(pc.if_else(is_number, text, pa.scalar(None, pa.string())), pa.float64())
+    elif (
+        pa.types.is_floating(column.type)
+        or pa.types.is_integer(column.type)
+        or pa.types.is_decimal(column.type)
+    ):
         column = pc.cast(column, pa.float64())
         if column.null_count:
             reason[np.asarray(column.is_null())] = MISSING
     else:
-        raise ColumnError(f"{name} column has type {column.type}; coordinates must be numbers "
-                          "(degrees)")
-    values = np.asarray(column.fill_null(np.nan).to_numpy(zero_copy_only=False),
-                        dtype=np.float64)
+        raise ColumnError(
+            f"{name} column has type {column.type}; coordinates must be numbers (degrees)"
+        )
+    values = np.asarray(column.fill_null(np.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
     return values, reason
 
 
@@ -222,8 +228,9 @@ class PointValidator:
         The source, for messages.
     """
 
-    def __init__(self, *, skip_invalid: bool = False, check_ids: bool = True,
-                 what: str = "the input") -> None:
+    def __init__(
+        self, *, skip_invalid: bool = False, check_ids: bool = True, what: str = "the input"
+    ) -> None:
         self.skip_invalid = skip_invalid
         self.check_ids = check_ids
         self.what = what
@@ -272,8 +279,16 @@ class PointValidator:
         out = out.set_column(names.index("lon"), "lon", columns[1])
         return out.filter(pa.array(keep)) if bad.any() else out
 
-    def _record(self, batch: pa.RecordBatch, bad: np.ndarray, reason: np.ndarray,
-                rows: np.ndarray, lat_raw: Any, lon_raw: Any, has_id: bool) -> None:
+    def _record(
+        self,
+        batch: pa.RecordBatch,
+        bad: np.ndarray,
+        reason: np.ndarray,
+        rows: np.ndarray,
+        lat_raw: Any,
+        lon_raw: Any,
+        has_id: bool,
+    ) -> None:
         report = self.report
         idx = np.flatnonzero(bad)
         report.bad_rows += idx.size
@@ -281,10 +296,15 @@ class PointValidator:
         ids = batch.column(batch.schema.names.index("id")) if has_id else None
         for i in idx[: max(0, SHOW - len(report.examples))]:
             i = int(i)
-            report.examples.append(BadRow(
-                row=int(rows[i]), reason=_describe(int(reason[i]), lat_raw, lon_raw, i),
-                lat=_as_text(lat_raw[i].as_py()), lon=_as_text(lon_raw[i].as_py()),
-                id=None if ids is None else _as_text(ids[i].as_py())))
+            report.examples.append(
+                BadRow(
+                    row=int(rows[i]),
+                    reason=_describe(int(reason[i]), lat_raw, lon_raw, i),
+                    lat=_as_text(lat_raw[i].as_py()),
+                    lon=_as_text(lon_raw[i].as_py()),
+                    id=None if ids is None else _as_text(ids[i].as_py()),
+                )
+            )
 
     def finish(self) -> ValidationReport:
         """The final report; raises InvalidPoints or EmptyInput when the input is unusable."""
@@ -297,10 +317,14 @@ class PointValidator:
                 f"{report.summary()}. Latitude must be a finite number in [-90, 90] and "
                 "longitude in [-180, 180] degrees, ids present and unique; fix these rows "
                 "or drop them with --skip-invalid (skip_invalid=True). Nothing was stored.",
-                report)
+                report,
+            )
         if report.rows_kept == 0:
-            raise EmptyInput(f"{self.what}: all {report.rows_read:,} rows are invalid "
-                             f"{report.summary()}; nothing was stored", report)
+            raise EmptyInput(
+                f"{self.what}: all {report.rows_read:,} rows are invalid "
+                f"{report.summary()}; nothing was stored",
+                report,
+            )
         return report
 
 

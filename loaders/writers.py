@@ -16,8 +16,14 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".arrow": "arrow",
-               ".feather": "arrow", ".ipc": "arrow"}
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+}
 WRITE_FORMATS = ("parquet", "csv", "arrow")
 
 
@@ -25,18 +31,23 @@ def format_for_path(path: str | os.PathLike[str], format: str | None = None) -> 
     """``parquet``, ``csv`` or ``arrow`` for ``path`` (by extension) unless ``format`` says."""
     if format is not None:
         if format not in WRITE_FORMATS:
-            raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, "
-                             f"got {format!r}")
+            raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
         return format
     suffix = Path(path).suffix.lower()
     if suffix not in _EXTENSIONS:
-        raise ValueError(f"cannot tell the format of {os.fspath(path)!r} from its extension; "
-                         f"use one of {', '.join(sorted(_EXTENSIONS))}")
+        raise ValueError(
+            f"cannot tell the format of {os.fspath(path)!r} from its extension; "
+            f"use one of {', '.join(sorted(_EXTENSIONS))}"
+        )
     return _EXTENSIONS[suffix]
 
 
-def write_batches(path: str | os.PathLike[str], schema: pa.Schema,
-                  batches: Iterable[pa.RecordBatch], format: str | None = None) -> int:
+def write_batches(
+    path: str | os.PathLike[str],
+    schema: pa.Schema,
+    batches: Iterable[pa.RecordBatch],
+    format: str | None = None,
+) -> int:
     """Write ``batches`` (each a Parquet row group or an IPC batch) to ``path``; rows written."""
     fmt = format_for_path(path, format)
     final = Path(path)
@@ -59,8 +70,11 @@ def write_batches(path: str | os.PathLike[str], schema: pa.Schema,
     return rows
 
 
-def write_table(data: pa.Table | pa.RecordBatchReader | pd.DataFrame,
-                path: str | os.PathLike[str], format: str | None = None) -> int:
+def write_table(
+    data: pa.Table | pa.RecordBatchReader | pd.DataFrame,
+    path: str | os.PathLike[str],
+    format: str | None = None,
+) -> int:
     """Write a Table, RecordBatchReader or DataFrame to ``path``; returns the rows written."""
     if isinstance(data, pd.DataFrame):
         data = pa.Table.from_pandas(data, preserve_index=False)
@@ -68,5 +82,7 @@ def write_table(data: pa.Table | pa.RecordBatchReader | pd.DataFrame,
         return write_batches(path, data.schema, data.to_batches(max_chunksize=1 << 20), format)
     if isinstance(data, pa.RecordBatchReader):
         return write_batches(path, data.schema, data, format)
-    raise TypeError(f"write_table takes a pyarrow Table, RecordBatchReader or pandas "
-                    f"DataFrame, got {type(data).__name__}")
+    raise TypeError(
+        f"write_table takes a pyarrow Table, RecordBatchReader or pandas "
+        f"DataFrame, got {type(data).__name__}"
+    )

@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def server(tmp_path_factory: pytest.TempPathFactory):
     data_dir = tmp_path_factory.mktemp("server-data")
     srv, port, _ = create_server(
-        ServerSettings(host="127.0.0.1", port=0, data_dir=data_dir, backend="cpu"))
+        ServerSettings(host="127.0.0.1", port=0, data_dir=data_dir, backend="cpu")
+    )
     srv.start()
     yield f"127.0.0.1:{port}"
     srv.stop(grace=None)
@@ -75,8 +76,9 @@ def _wkb_point(x: float, y: float, big_endian: bool = False, srid: int | None = 
     return struct.pack(f"{order}BIIdd", 0 if big_endian else 1, 0x20000001, srid, x, y)
 
 
-def _geoparquet(path: Path, table: pa.Table, column: str, encoding: str,
-                crs: object = None) -> None:
+def _geoparquet(
+    path: Path, table: pa.Table, column: str, encoding: str, crs: object = None
+) -> None:
     info: dict[str, object] = {"encoding": encoding, "geometry_types": ["Point"]}
     if crs is not None:
         info["crs"] = crs
@@ -134,9 +136,9 @@ def test_csv_compressed_with_gzip(tmp_path: Path) -> None:
 def test_csv_non_numeric_coordinates_are_reported_by_row(tmp_path: Path) -> None:
     path = tmp_path / "bad.csv"
     lines = ["id,lat,lon"] + [f"{i},{i % 80},{i % 170}" for i in range(1000)]
-    lines[101] = "100,north,5"        # row 100: not a number
-    lines[501] = "500,,5"             # row 500: missing
-    lines[801] = "800,91.5,5"         # row 800: out of range
+    lines[101] = "100,north,5"  # row 100: not a number
+    lines[501] = "500,,5"  # row 500: missing
+    lines[801] = "800,91.5,5"  # row 800: out of range
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(InvalidPoints) as info:
         read_points(path, batch_rows=128).read_all()
@@ -157,7 +159,11 @@ def test_csv_on_standard_input_loads_through_the_cli(server: str, client: Client
     csv_text = "name,lat,lon\nParis,48.8566,2.3522\nTokyo,35.6762,139.6503\n"
     run = subprocess.run(
         [PYTHON, "-m", "geonear", "load", "-", "--name", "stdin_points", "--target", server],
-        input=csv_text, capture_output=True, text=True, timeout=120)
+        input=csv_text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "loaded 2 rows into stdin_points" in run.stdout
     # Output is not a terminal: no progress bar is drawn.
@@ -169,16 +175,24 @@ def test_csv_on_standard_input_loads_through_the_cli(server: str, client: Client
 # -- Parquet, Arrow, datasets -----------------------------------------------------------
 def _points_table(n: int = 50, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
-    return pa.table({"id": np.arange(n, dtype=np.int64), "latitude": rng.uniform(-60, 60, n),
-                     "longitude": rng.uniform(-170, 170, n), "kind": ["a", "b"] * (n // 2)})
+    return pa.table(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "latitude": rng.uniform(-60, 60, n),
+            "longitude": rng.uniform(-170, 170, n),
+            "kind": ["a", "b"] * (n // 2),
+        }
+    )
 
 
 def test_parquet_feather_and_arrow_stream_read_alike(tmp_path: Path) -> None:
     table = _points_table()
     pq.write_table(table, tmp_path / "p.parquet", row_group_size=7)
     feather.write_feather(table, tmp_path / "p.feather")
-    with pa.OSFile(str(tmp_path / "p.arrows"), "wb") as sink, \
-            pa.ipc.new_stream(sink, table.schema) as writer:
+    with (
+        pa.OSFile(str(tmp_path / "p.arrows"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as writer,
+    ):
         writer.write_table(table, max_chunksize=11)
     frames = []
     for name in ("p.parquet", "p.feather", "p.arrows"):
@@ -231,12 +245,18 @@ def test_geojson_points_with_properties_as_columns(tmp_path: Path) -> None:
         "type": "FeatureCollection",
         "name": "stops",
         "features": [
-            {"type": "Feature", "id": "s1", "geometry": {"type": "Point",
-                                                         "coordinates": [2.35, 48.85]},
-             "properties": {"name": "Paris", "riders": 10}},
-            {"type": "Feature", "id": "s2", "geometry": {"type": "Point",
-                                                         "coordinates": [-0.12, 51.5, 11.0]},
-             "properties": {"name": "London", "riders": 7.5}},
+            {
+                "type": "Feature",
+                "id": "s1",
+                "geometry": {"type": "Point", "coordinates": [2.35, 48.85]},
+                "properties": {"name": "Paris", "riders": 10},
+            },
+            {
+                "type": "Feature",
+                "id": "s2",
+                "geometry": {"type": "Point", "coordinates": [-0.12, 51.5, 11.0]},
+                "properties": {"name": "London", "riders": 7.5},
+            },
         ],
         "crs": {"type": "name", "properties": {"name": "urn:ogc:def:crs:OGC:1.3:CRS84"}},
     }
@@ -253,8 +273,14 @@ def test_geojson_points_with_properties_as_columns(tmp_path: Path) -> None:
 
 
 def test_geojson_streams_many_features_and_sequences(tmp_path: Path) -> None:
-    features = [{"type": "Feature", "geometry": {"type": "Point", "coordinates": [i / 100, 0]},
-                 "properties": {"n": i}} for i in range(5000)]
+    features = [
+        {
+            "type": "Feature",
+            "geometry": {"type": "Point", "coordinates": [i / 100, 0]},
+            "properties": {"n": i},
+        }
+        for i in range(5000)
+    ]
     path = tmp_path / "many.geojson"
     path.write_text(json.dumps({"type": "FeatureCollection", "features": features}))
     batches = list(read_points(path, batch_rows=1000))
@@ -269,21 +295,40 @@ def test_geojson_streams_many_features_and_sequences(tmp_path: Path) -> None:
 
 def test_geojson_rejects_non_point_features(tmp_path: Path) -> None:
     path = tmp_path / "line.geojson"
-    path.write_text(json.dumps({"type": "FeatureCollection", "features": [
-        {"type": "Feature", "geometry": {"type": "Point", "coordinates": [0, 0]},
-         "properties": {}},
-        {"type": "Feature", "geometry": {"type": "LineString", "coordinates": [[0, 0], [1, 1]]},
-         "properties": {}}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "type": "FeatureCollection",
+                "features": [
+                    {
+                        "type": "Feature",
+                        "geometry": {"type": "Point", "coordinates": [0, 0]},
+                        "properties": {},
+                    },
+                    {
+                        "type": "Feature",
+                        "geometry": {"type": "LineString", "coordinates": [[0, 0], [1, 1]]},
+                        "properties": {},
+                    },
+                ],
+            }
+        )
+    )
     with pytest.raises(ValueError, match="feature 1 has a LineString geometry"):
         read_points(path).read_all()
 
 
 # -- GeoParquet ----------------------------------------------------------------------------
 def test_geoparquet_wkb_points_little_big_endian_and_ewkb(tmp_path: Path) -> None:
-    wkb = [_wkb_point(2.35, 48.85), _wkb_point(-0.12, 51.5, big_endian=True),
-           _wkb_point(139.65, 35.68, srid=4326), None]
-    table = pa.table({"station": ["paris", "london", "tokyo", "nowhere"],
-                      "geometry": pa.array(wkb, pa.binary())})
+    wkb = [
+        _wkb_point(2.35, 48.85),
+        _wkb_point(-0.12, 51.5, big_endian=True),
+        _wkb_point(139.65, 35.68, srid=4326),
+        None,
+    ]
+    table = pa.table(
+        {"station": ["paris", "london", "tokyo", "nowhere"], "geometry": pa.array(wkb, pa.binary())}
+    )
     path = tmp_path / "stations.parquet"
     _geoparquet(path, table, "geometry", "WKB", crs={"id": {"authority": "EPSG", "code": 4326}})
     stream = open_points(path, id="station", skip_invalid=True)
@@ -297,8 +342,9 @@ def test_geoparquet_wkb_points_little_big_endian_and_ewkb(tmp_path: Path) -> Non
 
 
 def test_geoparquet_geoarrow_point_struct(tmp_path: Path) -> None:
-    points = pa.StructArray.from_arrays([pa.array([10.0, 20.0]), pa.array([-5.0, 5.0])],
-                                        names=["x", "y"])
+    points = pa.StructArray.from_arrays(
+        [pa.array([10.0, 20.0]), pa.array([-5.0, 5.0])], names=["x", "y"]
+    )
     path = tmp_path / "geoarrow.parquet"
     _geoparquet(path, pa.table({"id": [1, 2], "geom": points}), "geom", "point")
     frame = _table(read_points(path))
@@ -307,14 +353,21 @@ def test_geoparquet_geoarrow_point_struct(tmp_path: Path) -> None:
 
 
 def test_geoparquet_rejects_polygons_and_projected_crs(tmp_path: Path) -> None:
-    polygon = struct.pack("<BII", 1, 3, 1) + struct.pack("<I", 4) + struct.pack(
-        "<8d", 0, 0, 1, 0, 1, 1, 0, 0)
+    polygon = (
+        struct.pack("<BII", 1, 3, 1)
+        + struct.pack("<I", 4)
+        + struct.pack("<8d", 0, 0, 1, 0, 1, 1, 0, 0)
+    )
     with pytest.raises(ValueError, match=r"1 geometries are not points \(first: row 1: Polygon"):
         decode_wkb_points(pa.array([_wkb_point(0, 0), polygon], pa.binary()))
     path = tmp_path / "projected.parquet"
-    _geoparquet(path, pa.table({"geometry": pa.array([_wkb_point(500000, 4e6)], pa.binary())}),
-                "geometry", "WKB", crs={"name": "WGS 84 / UTM zone 33N",
-                                        "id": {"authority": "EPSG", "code": 32633}})
+    _geoparquet(
+        path,
+        pa.table({"geometry": pa.array([_wkb_point(500000, 4e6)], pa.binary())}),
+        "geometry",
+        "WKB",
+        crs={"name": "WGS 84 / UTM zone 33N", "id": {"authority": "EPSG", "code": 32633}},
+    )
     with pytest.raises(ValueError, match=r"UTM zone 33N.*reproject"):
         read_points(path)
 
@@ -322,11 +375,16 @@ def test_geoparquet_rejects_polygons_and_projected_crs(tmp_path: Path) -> None:
 def test_geopandas_points() -> None:
     geopandas = pytest.importorskip("geopandas")
     shapely = pytest.importorskip("shapely")
-    frame = geopandas.GeoDataFrame({"id": [5, 6], "v": ["a", "b"]},
-                                   geometry=[shapely.Point(1, 2), shapely.Point(3, 4)], crs=4326)
+    frame = geopandas.GeoDataFrame(
+        {"id": [5, 6], "v": ["a", "b"]},
+        geometry=[shapely.Point(1, 2), shapely.Point(3, 4)],
+        crs=4326,
+    )
     out = _table(read_points(frame))
-    assert out[["id", "lat", "lon", "v"]].values.tolist() == [[5, 2.0, 1.0, "a"],
-                                                             [6, 4.0, 3.0, "b"]]
+    assert out[["id", "lat", "lon", "v"]].values.tolist() == [
+        [5, 2.0, 1.0, "a"],
+        [6, 4.0, 3.0, "b"],
+    ]
     with pytest.raises(ValueError, match="to_crs"):
         read_points(frame.to_crs(3857))
 
@@ -353,8 +411,9 @@ def test_detect_columns_rules() -> None:
 
 
 def test_row_numbers_become_ids_and_the_result_says_so() -> None:
-    stream = open_points(pd.DataFrame({"lat": [1.0, 2.0, 3.0], "lon": [0.0, 0.0, 0.0]}),
-                         batch_rows=2)
+    stream = open_points(
+        pd.DataFrame({"lat": [1.0, 2.0, 3.0], "lon": [0.0, 0.0, 0.0]}), batch_rows=2
+    )
     table = stream.reader.read_all()
     assert table.column("id").to_pylist() == [0, 1, 2]
     assert stream.ids_are_row_numbers
@@ -404,7 +463,10 @@ def test_duplicate_ids_across_batches_int_and_string() -> None:
     with pytest.raises(InvalidPoints) as info:
         read_points(text, batch_rows=64).read_all()
     assert [(b.row, b.id) for b in info.value.report.examples] == [
-        (1000, "k5"), (1001, "k999"), (1002, "k5")]
+        (1000, "k5"),
+        (1001, "k999"),
+        (1002, "k5"),
+    ]
     stream = open_points(text, skip_invalid=True, batch_rows=64)
     kept = stream.reader.read_all().column("id").to_pylist()
     assert kept == [f"k{i}" for i in range(1000)]
@@ -416,8 +478,7 @@ def test_missing_ids_and_empty_input() -> None:
     with pytest.raises(InvalidPoints, match=r"row 1: id=None \(missing id\)"):
         read_points(frame).read_all()
     with pytest.raises(EmptyInput, match="holds no rows"):
-        empty = pd.DataFrame({"lat": pd.Series([], dtype=float),
-                              "lon": pd.Series([], dtype=float)})
+        empty = pd.DataFrame({"lat": pd.Series([], dtype=float), "lon": pd.Series([], dtype=float)})
         read_points(empty).read_all()
     all_bad = pd.DataFrame({"lat": [100.0], "lon": [0.0]})
     with pytest.raises(EmptyInput, match="all 1 rows are invalid"):
@@ -463,14 +524,19 @@ def test_synthetic_streams_are_seeded_and_chunk_independent(tmp_path: Path) -> N
         assert write_points(out, 1000, clustered=True, seed=2) == 1000
         back = read_points(out).read_all()
         assert back.num_rows == 1000
-        np.testing.assert_allclose(back.column("lat").to_numpy(),
-                                   generate_points(1000, clustered=True, seed=2)
-                                   .read_all().column("lat").to_numpy(), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(
+            back.column("lat").to_numpy(),
+            generate_points(1000, clustered=True, seed=2).read_all().column("lat").to_numpy(),
+            rtol=0,
+            atol=1e-12,
+        )
 
 
 def test_loaders_do_not_import_the_service() -> None:
-    code = ("import sys, geonear.loaders, geonear.loaders.cli; "
-            "print(sorted(m for m in sys.modules if m.startswith('geonear.service')))")
+    code = (
+        "import sys, geonear.loaders, geonear.loaders.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith('geonear.service')))"
+    )
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -502,11 +568,11 @@ def test_a_rejected_upload_stores_nothing(client: Client) -> None:
     assert "never_created" not in {d.name for d in client.datasets()}
 
 
-def test_cli_generate_then_load(server: str, client: Client, tmp_path: Path,
-                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_generate_then_load(
+    server: str, client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "pts.parquet"
-    assert main(["generate", "--n", "30000", "--clustered", "--seed", "1",
-                 "--out", str(out)]) == 0
+    assert main(["generate", "--n", "30000", "--clustered", "--seed", "1", "--out", str(out)]) == 0
     assert "wrote 30,000 clustered points" in capsys.readouterr().out
     assert pq.ParquetFile(out).metadata.num_rows == 30_000
     assert main(["load", str(out), "--name", "gen", "--target", server]) == 0
@@ -514,36 +580,57 @@ def test_cli_generate_then_load(server: str, client: Client, tmp_path: Path,
     assert client.info("gen").rows == 30_000
     assert main(["load", str(out), "--name", "gen", "--target", server]) == 1
     assert "exists" in capsys.readouterr().err.lower()
-    assert main(["load", str(out), "--name", "gen", "--mode", "replace", "--target", server,
-                 "--quiet"]) == 0
+    assert (
+        main(
+            ["load", str(out), "--name", "gen", "--mode", "replace", "--target", server, "--quiet"]
+        )
+        == 0
+    )
 
 
-def test_cli_load_bad_file_names_rows_and_skip_invalid(server: str, client: Client,
-                                                      tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]
-                                                      ) -> None:
+def test_cli_load_bad_file_names_rows_and_skip_invalid(
+    server: str, client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "bad.csv"
     path.write_text("id,lat,lon\n1,10,10\n2,95,10\n3,x,10\n4,20,20\n")
     assert main(["load", str(path), "--name", "badcsv", "--target", server]) == 2
     err = capsys.readouterr().err
     assert "2 of 4 rows are invalid" in err and "row 1: lat='95'" in err
     assert "badcsv" not in {d.name for d in client.datasets()}
-    assert main(["load", str(path), "--name", "badcsv", "--skip-invalid",
-                 "--target", server]) == 0
+    assert main(["load", str(path), "--name", "badcsv", "--skip-invalid", "--target", server]) == 0
     assert "dropped 2 invalid rows" in capsys.readouterr().out
     assert client.info("badcsv").rows == 2
 
 
 def test_cli_load_bundled_and_knn_matches_a_float64_reference(
-        server: str, client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server: str, client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["load", "airports", "--target", server]) == 0
     airports = load_bundled("airports")
     queries = tmp_path / "queries.csv"
-    queries.write_text("place,latitude,longitude\nparis,48.8566,2.3522\n"
-                       "fiji,-17.7,178.9\nsouth pole,-90,0\n")
+    queries.write_text(
+        "place,latitude,longitude\nparis,48.8566,2.3522\nfiji,-17.7,178.9\nsouth pole,-90,0\n"
+    )
     out = tmp_path / "near.parquet"
-    assert main(["knn", "airports", "--queries", str(queries), "-k", "5", "--out", str(out),
-                 "--columns", "name", "--target", server]) == 0
+    assert (
+        main(
+            [
+                "knn",
+                "airports",
+                "--queries",
+                str(queries),
+                "-k",
+                "5",
+                "--out",
+                str(out),
+                "--columns",
+                "name",
+                "--target",
+                server,
+            ]
+        )
+        == 0
+    )
     assert "wrote 15 rows" in capsys.readouterr().out
     result = pq.read_table(out).to_pandas()
     q_lat, q_lon = read_query_points(queries)
@@ -558,10 +645,28 @@ def test_cli_load_bundled_and_knn_matches_a_float64_reference(
         np.testing.assert_allclose(got["distance_m"], d[order], rtol=0, atol=1e-3)
     for suffix in ("csv", "arrow"):
         path = tmp_path / f"radius.{suffix}"
-        assert main(["radius", "airports", "--queries", str(queries), "--radius-m", "20000",
-                     "--out", str(path), "--target", server]) == 0
-        written = (pd.read_csv(path) if suffix == "csv"
-                   else pa.ipc.open_file(str(path)).read_all().to_pandas())
+        assert (
+            main(
+                [
+                    "radius",
+                    "airports",
+                    "--queries",
+                    str(queries),
+                    "--radius-m",
+                    "20000",
+                    "--out",
+                    str(path),
+                    "--target",
+                    server,
+                ]
+            )
+            == 0
+        )
+        written = (
+            pd.read_csv(path)
+            if suffix == "csv"
+            else pa.ipc.open_file(str(path)).read_all().to_pandas()
+        )
         d = great_circle_m(q_lat[0], q_lon[0], a_lat, a_lon)
         assert (written.query_index == 0).sum() == int((d <= 20000).sum())
 
@@ -570,8 +675,24 @@ def test_cli_matrix_queries_to_parquet(server: str, tmp_path: Path) -> None:
     queries = tmp_path / "q.parquet"
     pq.write_table(pa.table({"lat": [0.0, 10.0], "lon": [0.0, 0.0]}), queries)
     out = tmp_path / "m.parquet"
-    assert main(["matrix", "--queries", str(queries), "--lat2", "0,0", "--lon2", "0,90",
-                 "--out", str(out), "--target", server]) == 0
+    assert (
+        main(
+            [
+                "matrix",
+                "--queries",
+                str(queries),
+                "--lat2",
+                "0,0",
+                "--lon2",
+                "0,90",
+                "--out",
+                str(out),
+                "--target",
+                server,
+            ]
+        )
+        == 0
+    )
     m = pq.read_table(out).to_pandas()
     assert len(m) == 4
     cell = m[(m.query_index == 1) & (m.column_index == 0)]["distance_m"].item()
@@ -601,16 +722,31 @@ _PEAK = textwrap.dedent("""
 
 
 def _peak_load_kb(path: Path, name: str, server: str) -> int:
-    run = subprocess.run([PYTHON, "-c", _PEAK, "load", str(path), "--name", name, "--row-ids",
-                          "--target", server, "--timeout-s", "300"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            PYTHON,
+            "-c",
+            _PEAK,
+            "load",
+            str(path),
+            "--name",
+            name,
+            "--row-ids",
+            "--target",
+            server,
+            "--timeout-s",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     return int(run.stdout.split("PEAK_KB")[1].split()[0])
 
 
 @pytest.mark.slow
-def test_loading_streams_with_bounded_memory(server: str, client: Client,
-                                             tmp_path: Path) -> None:
+def test_loading_streams_with_bounded_memory(server: str, client: Client, tmp_path: Path) -> None:
     small, large = tmp_path / "small.parquet", tmp_path / "large.parquet"
     write_points(small, 200_000, seed=1)
     write_points(large, 2_000_000, seed=1)
@@ -624,10 +760,13 @@ def test_loading_streams_with_bounded_memory(server: str, client: Client,
     assert large_kb - small_kb < 45_000, (small_kb, large_kb)
 
 
-@pytest.mark.skipif(not os.environ.get("GEONEAR_BIG_LOAD"),
-                    reason="10M-row load: set GEONEAR_BIG_LOAD=1 to run by hand")
-def test_ten_million_rows_load_with_bounded_memory(server: str, client: Client,
-                                                   tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not os.environ.get("GEONEAR_BIG_LOAD"),
+    reason="10M-row load: set GEONEAR_BIG_LOAD=1 to run by hand",
+)
+def test_ten_million_rows_load_with_bounded_memory(
+    server: str, client: Client, tmp_path: Path
+) -> None:
     path = tmp_path / "ten_million.parquet"
     write_points(path, 10_000_000, clustered=True, seed=1)
     peak_kb = _peak_load_kb(path, "ten_million", server)
@@ -644,8 +783,12 @@ def test_analyst_notebook_runs_headless(tmp_path: Path) -> None:
     pytest.importorskip("ipykernel")
     notebook = nbformat.read(ROOT / "examples" / "analyst.ipynb", as_version=4)
     nbformat.validate(notebook)
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)

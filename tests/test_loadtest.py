@@ -49,8 +49,9 @@ def _points_table(n: int, seed: int) -> pa.Table:
 @pytest.fixture(scope="module")
 def lt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real CPU server holding DATASET; yields its address."""
-    settings = ServerSettings(host="127.0.0.1", port=0, backend="cpu",
-                              data_dir=tmp_path_factory.mktemp("loadtest-data"))
+    settings = ServerSettings(
+        host="127.0.0.1", port=0, backend="cpu", data_dir=tmp_path_factory.mktemp("loadtest-data")
+    )
     server, port, _ = create_server(settings)
     server.start()
     address = f"127.0.0.1:{port}"
@@ -93,8 +94,13 @@ class _SlowServer:
 @pytest.fixture(scope="module")
 def lt_slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_SlowServer]:
     """A server on one RPC thread whose KNN takes 20 ms: at most ~50 KNN/s."""
-    settings = ServerSettings(host="127.0.0.1", port=0, backend="cpu", max_workers=1,
-                              data_dir=tmp_path_factory.mktemp("loadtest-slow"))
+    settings = ServerSettings(
+        host="127.0.0.1",
+        port=0,
+        backend="cpu",
+        max_workers=1,
+        data_dir=tmp_path_factory.mktemp("loadtest-slow"),
+    )
     store = DatasetStore(_SlowEngine(), settings.data_dir)
     store.upload(DATASET, "create", _points_table(2_000, seed=2))
     log = _AuthorizationLog()
@@ -129,13 +135,32 @@ def _assert_consistent(run: dict[str, Any]) -> None:
 # -- closed and open loop, one and two processes ---------------------------------------
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("mode", ["closed", "open"])
-def test_knn_run_holds_consistent_counts(lt_server: str, tmp_path: Path, mode: str,
-                                         processes: int) -> None:
+def test_knn_run_holds_consistent_counts(
+    lt_server: str, tmp_path: Path, mode: str, processes: int
+) -> None:
     out = tmp_path / "run.json"
     load = ["--concurrency", "8"] if mode == "closed" else ["--rate", "100"]
-    rc = _loadtest("--target", lt_server, "--scenario", "knn", "--dataset", DATASET,
-                   "-k", "5", *load, "--duration", "2", "--warmup", "0.5",
-                   "--processes", str(processes), "--channels", "2", "--json", str(out))
+    rc = _loadtest(
+        "--target",
+        lt_server,
+        "--scenario",
+        "knn",
+        "--dataset",
+        DATASET,
+        "-k",
+        "5",
+        *load,
+        "--duration",
+        "2",
+        "--warmup",
+        "0.5",
+        "--processes",
+        str(processes),
+        "--channels",
+        "2",
+        "--json",
+        str(out),
+    )
     assert rc == 0
     (run,) = _runs(out)
     _assert_consistent(run)
@@ -155,12 +180,26 @@ def test_knn_run_holds_consistent_counts(lt_server: str, tmp_path: Path, mode: s
         assert abs(run["requests"] - 200) <= processes
 
 
-def test_unknown_dataset_counts_not_found_errors(lt_server: str, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_dataset_counts_not_found_errors(
+    lt_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "missing.json"
-    rc = _loadtest("--target", lt_server, "--scenario", "knn", "--dataset", "no-such-set",
-                   "--concurrency", "4", "--duration", "0.5", "--warmup", "0",
-                   "--json", str(out))
+    rc = _loadtest(
+        "--target",
+        lt_server,
+        "--scenario",
+        "knn",
+        "--dataset",
+        "no-such-set",
+        "--concurrency",
+        "4",
+        "--duration",
+        "0.5",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    )
     assert rc == 0
     assert "does not exist" in capsys.readouterr().err
     (run,) = _runs(out)
@@ -173,9 +212,26 @@ def test_unknown_dataset_counts_not_found_errors(lt_server: str, tmp_path: Path,
 
 def test_create_dataset_uploads_uniform_points_first(lt_server: str, tmp_path: Path) -> None:
     out = tmp_path / "created.json"
-    rc = _loadtest("--target", lt_server, "--scenario", "radius", "--dataset", "fresh",
-                   "--create-dataset", "5000", "--radius-m", "500000", "--concurrency", "2",
-                   "--duration", "0.5", "--warmup", "0", "--json", str(out))
+    rc = _loadtest(
+        "--target",
+        lt_server,
+        "--scenario",
+        "radius",
+        "--dataset",
+        "fresh",
+        "--create-dataset",
+        "5000",
+        "--radius-m",
+        "500000",
+        "--concurrency",
+        "2",
+        "--duration",
+        "0.5",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    )
     assert rc == 0
     with Client(lt_server) as client:
         assert client.info("fresh").rows == 5000
@@ -186,18 +242,36 @@ def test_create_dataset_uploads_uniform_points_first(lt_server: str, tmp_path: P
     assert run["rows"] > run["successes"]
 
 
-@pytest.mark.parametrize("scenario, extra", [
-    ("matrix", ["--matrix-targets", "50", "--batch", "3"]),
-    ("kmeans", ["-k", "3"]),
-    ("mixed", ["--matrix-targets", "20"]),
-    ("upload", ["--batch", "100"]),
-])
-def test_other_scenarios_answer_without_errors(lt_server: str, tmp_path: Path, scenario: str,
-                                               extra: list[str]) -> None:
+@pytest.mark.parametrize(
+    "scenario, extra",
+    [
+        ("matrix", ["--matrix-targets", "50", "--batch", "3"]),
+        ("kmeans", ["-k", "3"]),
+        ("mixed", ["--matrix-targets", "20"]),
+        ("upload", ["--batch", "100"]),
+    ],
+)
+def test_other_scenarios_answer_without_errors(
+    lt_server: str, tmp_path: Path, scenario: str, extra: list[str]
+) -> None:
     out = tmp_path / f"{scenario}.json"
-    rc = _loadtest("--target", lt_server, "--scenario", scenario, "--dataset", DATASET,
-                   *extra, "--concurrency", "2", "--duration", "0.5", "--warmup", "0",
-                   "--json", str(out))
+    rc = _loadtest(
+        "--target",
+        lt_server,
+        "--scenario",
+        scenario,
+        "--dataset",
+        DATASET,
+        *extra,
+        "--concurrency",
+        "2",
+        "--duration",
+        "0.5",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+    )
     assert rc == 0
     (run,) = _runs(out)
     _assert_consistent(run)
@@ -215,10 +289,21 @@ def test_other_scenarios_answer_without_errors(lt_server: str, tmp_path: Path, s
 
 
 # -- coordinated omission --------------------------------------------------------------
-def test_open_loop_shows_the_queueing_the_closed_loop_hides(lt_slow_server: _SlowServer,
-                                                            tmp_path: Path) -> None:
-    common = ["--target", lt_slow_server.address, "--scenario", "knn", "--dataset", DATASET,
-              "--duration", "2", "--warmup", "0"]
+def test_open_loop_shows_the_queueing_the_closed_loop_hides(
+    lt_slow_server: _SlowServer, tmp_path: Path
+) -> None:
+    common = [
+        "--target",
+        lt_slow_server.address,
+        "--scenario",
+        "knn",
+        "--dataset",
+        DATASET,
+        "--duration",
+        "2",
+        "--warmup",
+        "0",
+    ]
     closed, opened = tmp_path / "closed.json", tmp_path / "open.json"
     # One request at a time: the server looks as fast as one KNN.
     assert _loadtest(*common, "--concurrency", "1", "--json", str(closed)) == 0
@@ -238,17 +323,34 @@ def test_open_loop_shows_the_queueing_the_closed_loop_hides(lt_slow_server: _Slo
 def lt_compare_run(lt_server: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A --compare run of two named targets (the same server twice), JSON, HTML and PNG."""
     out = tmp_path_factory.mktemp("compare")
-    rc = _loadtest("--compare", f"first={lt_server}", f"second={lt_server}",
-                   "--scenario", "ping", "--concurrency", "4", "--duration", "0.5",
-                   "--warmup", "0", "--json", str(out / "compare.json"),
-                   "--html", str(out / "compare.html"), "--png", str(out / "compare.png"))
+    rc = _loadtest(
+        "--compare",
+        f"first={lt_server}",
+        f"second={lt_server}",
+        "--scenario",
+        "ping",
+        "--concurrency",
+        "4",
+        "--duration",
+        "0.5",
+        "--warmup",
+        "0",
+        "--json",
+        str(out / "compare.json"),
+        "--html",
+        str(out / "compare.html"),
+        "--png",
+        str(out / "compare.png"),
+    )
     assert rc == 0
     return out
 
 
 def _images(page: str) -> list[bytes]:
-    return [base64.b64decode(m) for m in
-            re.findall(r"<img[^>]+src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)]
+    return [
+        base64.b64decode(m)
+        for m in re.findall(r"<img[^>]+src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    ]
 
 
 def test_compare_run_reports_each_target_with_plots(lt_compare_run: Path) -> None:
@@ -267,14 +369,38 @@ def test_compare_run_reports_each_target_with_plots(lt_compare_run: Path) -> Non
     assert (lt_compare_run / "compare.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_report_combines_saved_runs(lt_compare_run: Path, lt_server: str,
-                                    tmp_path: Path) -> None:
+def test_report_combines_saved_runs(lt_compare_run: Path, lt_server: str, tmp_path: Path) -> None:
     single = tmp_path / "single.json"
-    assert _loadtest("--target", lt_server, "--scenario", "ping", "--concurrency", "2",
-                     "--duration", "0.5", "--warmup", "0", "--json", str(single)) == 0
+    assert (
+        _loadtest(
+            "--target",
+            lt_server,
+            "--scenario",
+            "ping",
+            "--concurrency",
+            "2",
+            "--duration",
+            "0.5",
+            "--warmup",
+            "0",
+            "--json",
+            str(single),
+        )
+        == 0
+    )
     page, combined = tmp_path / "both.html", tmp_path / "both.json"
-    rc = main(["loadtest", "report", str(lt_compare_run / "compare.json"), str(single),
-               "--html", str(page), "--json", str(combined)])
+    rc = main(
+        [
+            "loadtest",
+            "report",
+            str(lt_compare_run / "compare.json"),
+            str(single),
+            "--html",
+            str(page),
+            "--json",
+            str(combined),
+        ]
+    )
     assert rc == 0
     runs = _runs(combined)
     assert [r["name"] for r in runs] == ["first", "second", lt_server]
@@ -283,12 +409,13 @@ def test_report_combines_saved_runs(lt_compare_run: Path, lt_server: str,
     assert lt_server in text
 
 
-def test_report_merge_adds_up_parallel_generators(lt_compare_run: Path,
-                                                  tmp_path: Path) -> None:
+def test_report_merge_adds_up_parallel_generators(lt_compare_run: Path, tmp_path: Path) -> None:
     source = lt_compare_run / "compare.json"
     merged = tmp_path / "merged.json"
-    assert main(["loadtest", "report", str(source), str(source), "--merge",
-                 "--json", str(merged)]) == 0
+    assert (
+        main(["loadtest", "report", str(source), str(source), "--merge", "--json", str(merged)])
+        == 0
+    )
     before = {r["name"]: r for r in _runs(source)}
     for run in _runs(merged):
         _assert_consistent(run)
@@ -298,16 +425,33 @@ def test_report_merge_adds_up_parallel_generators(lt_compare_run: Path,
 
 def test_token_travels_as_bearer_metadata(lt_slow_server: _SlowServer, tmp_path: Path) -> None:
     out = tmp_path / "token.json"
-    assert _loadtest("--target", lt_slow_server.address, "--scenario", "ping", "--token",
-                     "s3cret", "--concurrency", "1", "--duration", "0.5", "--warmup", "0",
-                     "--json", str(out)) == 0
+    assert (
+        _loadtest(
+            "--target",
+            lt_slow_server.address,
+            "--scenario",
+            "ping",
+            "--token",
+            "s3cret",
+            "--concurrency",
+            "1",
+            "--duration",
+            "0.5",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+        )
+        == 0
+    )
     assert "Bearer s3cret" in lt_slow_server.authorization.seen
     (run,) = _runs(out)
     assert run["successes"] > 0
 
 
-def test_mutual_tls_needs_both_certificate_and_key(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_mutual_tls_needs_both_certificate_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cert = tmp_path / "client.pem"
     cert.write_text("not used: the options are refused first")
     assert main(["loadtest", "--target", "localhost:1", "--tls-cert", str(cert)]) == 2
