@@ -21,6 +21,11 @@ For every GeoNear call, in order:
 
        rpc=Knn dataset=pts rows=30 duration_ms=0.84 status=OK peer=ipv4:127.0.0.1:50412
 
+A call whose engine raised ``DeviceLost`` (the servicer lets it through) is answered
+UNAVAILABLE and hands the failure to the server's lifecycle, which stops the process so
+that it is restarted (:mod:`geonear.service.lifecycle`); from then on every call is
+refused UNAVAILABLE before it starts.
+
 Health checks and reflection pass untouched: open to everyone, never refused, not
 counted.
 """
@@ -36,7 +41,9 @@ import grpc
 
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
+from geonear.service.engines.base import DeviceLost
 from geonear.service.errors import LimitExceeded
+from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
 
@@ -91,12 +98,14 @@ class ServerInterceptor(grpc.ServerInterceptor):
         tokens: TokenCheck | None = None,
         metrics: Metrics | None = None,
         log_requests: bool = True,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.admission = admission
         self.max_message_bytes = max_message_bytes
         self.tokens = tokens
         self.metrics = metrics
         self.log_requests = log_requests
+        self.lifecycle = lifecycle
         self._handlers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     # -- dispatch ------------------------------------------------------------------------
@@ -168,6 +177,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
         if denial is not None:
             self._finish(call, rpc, context, grpc.StatusCode[denial.status])
             context.abort(grpc.StatusCode[denial.status], denial.message)
+        if self.lifecycle is not None and self.lifecycle.fatal_reason is not None:
+            self._finish(call, rpc, context, grpc.StatusCode.UNAVAILABLE)
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal())
         if not self.admission.try_enter():
             self._finish(call, rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal())
@@ -207,6 +219,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 response = behaviour(request, context)
                 call.rows = _rows(response)
                 return response
+            except DeviceLost as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                self._device_lost(context, exc)
             except BaseException:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
                 raise
@@ -239,6 +254,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
                     else grpc.StatusCode.CANCELLED
                 )
                 raise
+            except DeviceLost as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                self._device_lost(context, exc)
             except BaseException:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
                 raise
@@ -248,6 +266,14 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
         stream.__name__ = rpc
         return stream
+
+    def _device_lost(self, context: grpc.ServicerContext, exc: DeviceLost) -> None:
+        """Answer UNAVAILABLE; the lifecycle stops the server so that it is restarted."""
+        message = str(exc)
+        if self.lifecycle is not None:
+            self.lifecycle.fatal(message)
+            message = self.lifecycle.refusal()
+        context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
     def _finish(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from geonear.service.auth import TokenCheck, load_tokens
 from geonear.service.engines import Engine, EngineUnavailable, create_engine, gpu_available
 from geonear.service.host_memory import tune_allocator
 from geonear.service.interceptor import ServerInterceptor
+from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.service.servicer import GeoNearServicer
 from geonear.service.settings import ServerSettings
@@ -99,6 +99,8 @@ class ServerParts:
     admission : Admission
         Calls in flight against ``max_concurrent_rpcs``.
     metrics : Metrics
+    lifecycle : Lifecycle
+        Serving status and the request to stop (a signal, or a fatal device error).
     metrics_port : int or None
         Port of the ``/metrics`` endpoint, when ``metrics_port`` is set.
     """
@@ -109,18 +111,12 @@ class ServerParts:
     health: health.HealthServicer
     admission: Admission
     metrics: Metrics
+    lifecycle: Lifecycle
     metrics_port: int | None = None
     settings: ServerSettings | None = None
 
     def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
-        self.metrics.state.serving = serving
+        self.lifecycle.set_serving(serving)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, give in-flight ones ``grace_s`` to finish."""
@@ -148,11 +144,17 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
-def build_server(settings: ServerSettings) -> ServerParts:
-    """A bound, not yet started server with everything beside it (see ServerParts)."""
+def build_server(settings: ServerSettings, engine: Engine | None = None) -> ServerParts:
+    """A bound, not yet started server with everything beside it (see ServerParts).
+
+    ``engine``, when given, is used instead of the one the settings select.
+    """
     tokens = TokenCheck(load_tokens(settings.auth_tokens)) if settings.auth_tokens else None
     credentials = server_credentials(settings)
-    engine, backend = select_engine(settings)
+    if engine is None:
+        engine, backend = select_engine(settings)
+    else:
+        backend = engine.device_kind
     engine.warm_up()
     limits = settings.limits
     store = DatasetStore(engine, settings.data_dir, limits)
@@ -163,12 +165,15 @@ def build_server(settings: ServerSettings) -> ServerParts:
         _load_demo(store)
     admission = Admission(limits.max_concurrent_rpcs)
     metrics = Metrics(store, engine, backend, lambda: admission.in_flight)
+    health_servicer = health.HealthServicer()
+    lifecycle = Lifecycle(health_servicer, (SERVICE_NAME,), metrics)
     interceptor = ServerInterceptor(
         admission,
         max_message_bytes=limits.max_message_bytes,
         tokens=tokens,
         metrics=metrics,
         log_requests=settings.log_requests,
+        lifecycle=lifecycle,
     )
     # Two threads beyond the admission cap answer refusals and health checks while
     # every admitted call is busy.
@@ -185,7 +190,6 @@ def build_server(settings: ServerSettings) -> ServerParts:
         ],
     )
     pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, backend), server)
-    health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
@@ -204,7 +208,9 @@ def build_server(settings: ServerSettings) -> ServerParts:
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind {address}")
-    parts = ServerParts(server, port, store, health_servicer, admission, metrics, None, settings)
+    parts = ServerParts(
+        server, port, store, health_servicer, admission, metrics, lifecycle, settings=settings
+    )
     parts.set_serving(True)
     if settings.metrics_port is not None:
         parts.metrics_port = metrics.serve_http(settings.host, settings.metrics_port)
@@ -259,23 +265,29 @@ def exposure_warning(settings: ServerSettings) -> str | None:
     )
 
 
-def serve(settings: ServerSettings) -> None:
+def serve(settings: ServerSettings, engine: Engine | None = None) -> None:
     """Run the server until SIGINT or SIGTERM, then stop gracefully.
 
     On a signal: health turns NOT_SERVING, new calls are refused, and calls in flight
-    get ``shutdown_grace_s`` seconds to finish.
+    get ``shutdown_grace_s`` seconds to finish. After a fatal device error the same
+    happens with a shorter grace, then ``SystemExit(EXIT_DEVICE_LOST)`` is raised so
+    that a supervisor restarts the server (see ``geonear.service.lifecycle``).
     """
     tune_allocator()
-    parts = build_server(settings)
+    parts = build_server(settings, engine)
     parts.server.start()
     warning = exposure_warning(settings)
     if warning:
         log.warning(warning)
     log.info("geonear listening on %s:%d", settings.host, parts.port)
-    stop = threading.Event()
+    lifecycle = parts.lifecycle
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("shutting down: NOT_SERVING, %.1f s for calls in flight", settings.shutdown_grace_s)
-    parts.stop(settings.shutdown_grace_s)
+        signal.signal(sig, lifecycle.request_stop)
+    lifecycle.stop_requested.wait()
+    grace_s = lifecycle.grace_s(settings.shutdown_grace_s)
+    log.info("shutting down: NOT_SERVING, %.1f s for calls in flight", grace_s)
+    lifecycle.force_exit_after(grace_s)
+    parts.stop(grace_s)
     log.info("stopped")
+    if lifecycle.exit_code:
+        raise SystemExit(lifecycle.exit_code)

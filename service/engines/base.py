@@ -24,6 +24,19 @@ from geonear.service.geometry import EARTH_RADIUS_M
 MatrixDtype = Literal["float64", "float32"]
 
 
+class DeviceLost(RuntimeError):
+    """The device failed in a way no later call in this process can recover from.
+
+    Raised by engines in place of their library's error for a sticky CUDA error (an
+    illegal address, a failed launch, a destroyed context, an uncorrectable ECC error):
+    the CUDA context is unusable, so every later call would fail too. The server answers
+    the call UNAVAILABLE, reports NOT_SERVING and exits with a non-zero status so that
+    a supervisor restarts it (``geonear.service.lifecycle``); the new process reloads
+    every dataset. Errors a later call may not meet (out of memory, bad input) are not
+    this one.
+    """
+
+
 @dataclass(frozen=True)
 class Neighbours:
     """KNN answer for n queries.

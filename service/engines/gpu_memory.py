@@ -9,7 +9,9 @@ never sized above the card's free memory, since asking for more managed memory t
 free can hang the GPU.
 
 An allocation failure anywhere in a GPU call is turned into :class:`DeviceOutOfMemory` (a
-``MemoryError``), which the server answers with RESOURCE_EXHAUSTED and survives.
+``MemoryError``), which the server answers with RESOURCE_EXHAUSTED and survives; a sticky
+CUDA error (illegal address, failed launch, lost context) into
+:class:`~geonear.service.engines.base.DeviceLost`, on which the server exits to be restarted.
 
 CuPy is imported inside the functions: importing this module imports no GPU library.
 """
@@ -23,6 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from geonear.service.engines.base import DeviceLost
 
 log = logging.getLogger("geonear.gpu")
 
@@ -200,16 +204,44 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
+#: Sticky CUDA errors, by their runtime and driver API names: after one the context is
+#: unusable and every later call fails, so only a new process recovers.
+STICKY_CUDA_ERRORS = (
+    ("cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS"),
+    ("cudaErrorLaunchFailure", "CUDA_ERROR_LAUNCH_FAILED"),
+    ("cudaErrorLaunchTimeout", "CUDA_ERROR_LAUNCH_TIMEOUT"),
+    ("cudaErrorAssert", "CUDA_ERROR_ASSERT"),
+    ("cudaErrorHardwareStackError", "CUDA_ERROR_HARDWARE_STACK_ERROR"),
+    ("cudaErrorIllegalInstruction", "CUDA_ERROR_ILLEGAL_INSTRUCTION"),
+    ("cudaErrorMisalignedAddress", "CUDA_ERROR_MISALIGNED_ADDRESS"),
+    ("cudaErrorInvalidAddressSpace", "CUDA_ERROR_INVALID_ADDRESS_SPACE"),
+    ("cudaErrorInvalidPc", "CUDA_ERROR_INVALID_PC"),
+    ("cudaErrorECCUncorrectable", "CUDA_ERROR_ECC_UNCORRECTABLE"),
+    ("cudaErrorContextIsDestroyed", "CUDA_ERROR_CONTEXT_IS_DESTROYED"),
+)
+
+
+def is_device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a sticky CUDA error (CuPy, RMM and cuDF all name it)."""
+    text = str(exc)
+    return any(name in text for pair in STICKY_CUDA_ERRORS for name in pair)
+
+
 @contextmanager
 def translate_out_of_memory(what: str) -> Iterator[None]:
     """Turn a device allocation failure inside the block into :class:`DeviceOutOfMemory`.
 
     The pool's cached free blocks are released first, so the next request starts from
-    a clean pool.
+    a clean pool. A sticky CUDA error becomes :class:`DeviceLost` (nothing is released:
+    the context is gone).
     """
     try:
         yield
     except Exception as exc:
+        if isinstance(exc, DeviceLost):
+            raise
+        if is_device_lost(exc):
+            raise DeviceLost(f"the GPU failed during {what}: {exc}") from exc
         if not _is_out_of_memory(exc):
             raise
         release_cached_blocks()
