@@ -62,6 +62,35 @@ def _add_serve(sub: Any) -> None:
         default=None,
         help="load the bundled airports and cities data sets at start",
     )
+    batching = p.add_argument_group("dynamic batching of concurrent KNN/radius requests")
+    batching.add_argument(
+        "--no-batching",
+        action="store_false",
+        dest="batching",
+        default=None,
+        help="one engine call per request",
+    )
+    batching.add_argument("--batch-max-points", type=int, help="query points per batch (8192)")
+    batching.add_argument(
+        "--batch-max-delay-us",
+        type=int,
+        help="wait for more requests after the first, µs (0: take what is queued)",
+    )
+    scale = p.add_argument_group("GPU memory and scale-out")
+    scale.add_argument("--gpu-pool-size-bytes", type=int, help="RMM pool (80%% of free memory)")
+    scale.add_argument(
+        "--managed-memory",
+        action="store_true",
+        default=None,
+        help="managed memory pool for sets larger than the card (slower)",
+    )
+    scale.add_argument(
+        "--processes", type=int, help="worker processes on one port (SO_REUSEPORT), CPU hosts"
+    )
+    scale.add_argument("--dask-scheduler", help="partition datasets over this Dask scheduler")
+    scale.add_argument(
+        "--dask-local-workers", type=int, help="start a local Dask cluster of N workers"
+    )
     security = p.add_argument_group("security")
     security.add_argument("--tls-cert", help="PEM certificate chain of the server (with --tls-key)")
     security.add_argument("--tls-key", help="PEM private key of the server")
@@ -123,6 +152,14 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
             "log_requests": args.log_requests,
             "shutdown_grace_s": args.shutdown_grace_s,
+            "batching": args.batching,
+            "batch_max_points": args.batch_max_points,
+            "batch_max_delay_us": args.batch_max_delay_us,
+            "gpu_pool_size_bytes": args.gpu_pool_size_bytes,
+            "managed_memory": args.managed_memory,
+            "processes": args.processes,
+            "dask_scheduler": args.dask_scheduler,
+            "dask_local_workers": args.dask_local_workers,
         }.items()
         if v is not None
     }

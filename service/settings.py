@@ -47,8 +47,10 @@ class Limits(BaseSettings):
     max_query_points: int = Field(
         2_000_000, ge=1, description="largest number of query points in one request"
     )
+    # Each admitted call holds a server thread while it runs or waits for its batch, so
+    # the cap is also the thread count; 512 lets a 256-client load batch fully.
     max_concurrent_rpcs: int = Field(
-        16, ge=1, description="calls running at once; health checks are not counted"
+        512, ge=1, description="calls running at once; health checks are not counted"
     )
     max_dataset_host_bytes: int = Field(
         0,

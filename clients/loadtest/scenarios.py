@@ -36,6 +36,7 @@ import pyarrow as pa
 from grpc_health.v1 import health_pb2
 
 from geonear._wire import points_to_message, table_to_messages
+from geonear.clients.client import COMPACT_RADIUS_QUERIES, COMPACT_ROWS
 from geonear.clients.loadtest.connection import Connection
 from geonear.loaders.synthetic import uniform_points
 from geonear.v1 import geonear_pb2 as pb
@@ -56,6 +57,10 @@ _SERVICE = "/geonear.v1.GeoNear/"
 
 def _stream_rows(messages: Sequence[Any]) -> int:
     return sum(m.row_count for m in messages)
+
+
+def _compact_rows(response: Any) -> int:
+    return len(response.distance_m)
 
 
 def _matrix_cells(tiles: Sequence[Any]) -> int:
@@ -98,6 +103,10 @@ class Rpc:
 
 RPCS: dict[str, Rpc] = {
     "knn": Rpc(_SERVICE + "Knn", "unary_stream", pb.ArrowData, _stream_rows),
+    "knn-compact": Rpc(_SERVICE + "KnnCompact", "unary_unary", pb.CompactNeighbours, _compact_rows),
+    "radius-compact": Rpc(
+        _SERVICE + "RadiusCompact", "unary_unary", pb.CompactNeighbours, _compact_rows
+    ),
     "radius": Rpc(_SERVICE + "Radius", "unary_stream", pb.ArrowData, _stream_rows),
     "matrix": Rpc(_SERVICE + "DistanceMatrix", "unary_stream", pb.MatrixTile, _matrix_cells),
     "kmeans": Rpc(_SERVICE + "KMeans", "unary_stream", pb.KMeansResponse, _centroids),
@@ -179,10 +188,15 @@ def _request(
         stream += [pb.UploadRequest(data=m) for m in table_to_messages(table)]
         return rpc, tuple(m.SerializeToString() for m in stream)
     points = points_to_message(lat, lon)
+    # Small queries take the compact unary RPCs, by the Python client's own rule.
     if rpc == "knn":
         message = pb.KnnRequest(dataset=config.dataset, queries=points, k=config.k)
+        if lat.shape[0] * config.k <= COMPACT_ROWS:
+            rpc = "knn-compact"
     elif rpc == "radius":
         message = pb.RadiusRequest(dataset=config.dataset, queries=points, radius_m=config.radius_m)
+        if lat.shape[0] <= COMPACT_RADIUS_QUERIES:
+            rpc = "radius-compact"
     elif targets is not None:
         message = pb.DistanceMatrixRequest(queries=points, targets=targets)
     else:
