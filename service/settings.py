@@ -99,9 +99,6 @@ class ServerSettings(BaseSettings):
         False, description="managed (unified) memory pool for sets larger than the card; slower"
     )
     # -- scale-out -------------------------------------------------------------------------
-    processes: int = Field(
-        1, ge=1, description="worker processes serving one port (SO_REUSEPORT); CPU hosts"
-    )
     dask_scheduler: str | None = Field(
         None, description="address of a Dask scheduler to partition datasets over"
     )

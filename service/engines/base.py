@@ -152,6 +152,9 @@ class Engine(ABC):
     name: ClassVar[str]
     #: "cpu" or "gpu".
     device_kind: ClassVar[str] = "cpu"
+    #: Whether k-means follows the spherical definition exactly (comparison engines that
+    #: wrap another algorithm, such as cuML's Euclidean KMeans, say False).
+    spherical_kmeans: ClassVar[bool] = True
 
     def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
         self.earth_radius_m = float(earth_radius_m)

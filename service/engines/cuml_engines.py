@@ -189,6 +189,7 @@ class CumlEngine(HostEngine):
 
     name = "cuml"
     device_kind = "gpu"
+    spherical_kmeans = False  # cuML's KMeans is Euclidean (see CumlIndex.kmeans)
 
     def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
         super().__init__(earth_radius_m)
