@@ -123,6 +123,9 @@ class ServerParts:
         self.set_serving(False)
         self.server.stop(grace=grace_s).wait()
         self.metrics.stop_http()
+        close = getattr(self.store.engine, "close", None)
+        if close is not None:  # e.g. the dask engine's local cluster
+            close()
 
 
 def _read(path: Path) -> bytes:

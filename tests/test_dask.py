@@ -12,6 +12,7 @@ import signal
 import threading
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 pytest.importorskip("distributed")
@@ -136,3 +137,33 @@ def test_killed_worker_then_served_again(engine: DaskEngine, points) -> None:
     # Partitions are reloaded from their files onto the remaining (or restarted) workers.
     again = index.knn(q_lat, q_lon, 10)
     np.testing.assert_array_equal(again.indices, want.indices)
+
+
+def test_server_on_a_local_dask_cluster_answers_like_the_cpu_server(tmp_path) -> None:
+    from geonear.clients.client import Client
+    from geonear.service.server import build_server
+    from geonear.service.settings import ServerSettings
+
+    lat, lon = clustered_points(5_000, seed=21)
+    table = pa.table({"id": np.arange(lat.shape[0]), "lat": lat, "lon": lon})
+    q_lat, q_lon = queries(200)
+    answers = {}
+    for name, extra in (("dask", {"dask_local_workers": 2}), ("cpu", {"backend": "cpu"})):
+        settings = ServerSettings(host="127.0.0.1", port=0, data_dir=tmp_path / name, **extra)
+        parts = build_server(settings)
+        parts.server.start()
+        try:
+            with Client(f"127.0.0.1:{parts.port}", timeout_s=120) as client:
+                client.upload("pts", table)
+                assert client.info("pts").engine == name
+                answers[name] = (
+                    client.knn("pts", q_lat, q_lon, k=7),
+                    client.radius("pts", q_lat[:20], q_lon[:20], 200_000),
+                    client.kmeans("pts", 4, seed=1).inertia_m2,
+                )
+        finally:
+            parts.stop(None)
+    assert (tmp_path / "dask" / "_partitions").is_dir()
+    for got, want in zip(answers["dask"][:2], answers["cpu"][:2], strict=True):
+        assert got.equals(want)
+    assert answers["dask"][2] == pytest.approx(answers["cpu"][2], rel=1e-9)
