@@ -11,6 +11,7 @@ wrong rows with plausible distances is still caught.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -190,8 +191,8 @@ def build_metrics(out: Any, ref: Any, *, index: Any, **_: Any) -> tuple[dict, No
     }, None
 
 
-#: The check of each operation.
-EXACTNESS = {
+#: The check of each operation: (answer, reference, **context) -> (columns, exact).
+EXACTNESS: dict[str, Callable[..., tuple[dict[str, Any], bool | None]]] = {
     "knn": knn_exactness,
     "radius": radius_exactness,
     "matrix": matrix_exactness,

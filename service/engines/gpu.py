@@ -266,7 +266,11 @@ class GPUIndex(PointIndex):
         if k > MAX_TREE_K:
             return self._knn_brute(queries, k, max_distance_m if bounded else None)
         register_k = next(r for r in REGISTER_K if r >= k)
-        bound_sq = _chord_sq_bound(max_distance_m, self.earth_radius_m) if bounded else math.inf
+        bound_sq = (
+            _chord_sq_bound(max_distance_m, self.earth_radius_m)
+            if max_distance_m is not None and bounded
+            else math.inf
+        )
         out_idx = cp.empty((queries.n, k), dtype=cp.int64)
         out_dist = cp.empty((queries.n, k), dtype=cp.float64)
         _fn(f"knn<{register_k}>")(
