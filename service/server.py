@@ -282,10 +282,12 @@ def serve(settings: ServerSettings, engine: Engine | None = None) -> None:
     warning = exposure_warning(settings)
     if warning:
         log.warning(warning)
-    log.info("geonear listening on %s:%d", settings.host, parts.port)
+    # Handlers go in before the address is announced: a SIGTERM right after the
+    # "listening" line must still stop the server gracefully.
     lifecycle = parts.lifecycle
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lifecycle.request_stop)
+    log.info("geonear listening on %s:%d", settings.host, parts.port)
     lifecycle.stop_requested.wait()
     grace_s = lifecycle.grace_s(settings.shutdown_grace_s)
     log.info("shutting down: NOT_SERVING, %.1f s for calls in flight", grace_s)
