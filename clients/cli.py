@@ -84,6 +84,12 @@ def _add_serve(sub: Any) -> None:
         default=None,
         help="managed memory pool for sets larger than the card (slower)",
     )
+    scale.add_argument(
+        "--processes",
+        type=int,
+        help="worker processes on one port (SO_REUSEPORT), each holding every dataset; "
+        "datasets are read-only while several serve",
+    )
     scale.add_argument("--dask-scheduler", help="partition datasets over this Dask scheduler")
     scale.add_argument(
         "--dask-local-workers", type=int, help="start a local Dask cluster of N workers"
@@ -154,6 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
             "batch_max_delay_us": args.batch_max_delay_us,
             "gpu_pool_size_bytes": args.gpu_pool_size_bytes,
             "managed_memory": args.managed_memory,
+            "processes": args.processes,
             "dask_scheduler": args.dask_scheduler,
             "dask_local_workers": args.dask_local_workers,
         }.items()

@@ -13,6 +13,7 @@ import signal
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -147,10 +148,14 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
-def build_server(settings: ServerSettings, engine: Engine | None = None) -> ServerParts:
+def build_server(
+    settings: ServerSettings, engine: Engine | None = None, worker: tuple[int, int] | None = None
+) -> ServerParts:
     """A bound, not yet started server with everything beside it (see ServerParts).
 
-    ``engine``, when given, is used instead of the one the settings select.
+    ``engine``, when given, is used instead of the one the settings select. ``worker``
+    is (index, count) for one of several processes sharing the port (SO_REUSEPORT):
+    its datasets are read-only and the data directory is left as it is.
     """
     tokens = TokenCheck(load_tokens(settings.auth_tokens)) if settings.auth_tokens else None
     credentials = server_credentials(settings)
@@ -161,6 +166,12 @@ def build_server(settings: ServerSettings, engine: Engine | None = None) -> Serv
     engine.warm_up()
     limits = settings.limits
     store = DatasetStore(engine, settings.data_dir, limits)
+    if worker is not None:
+        store.read_only_reason = (
+            f"this server runs {worker[1]} worker processes, which serve the data directory's "
+            "datasets read-only; change datasets with a single-process server "
+            "(without --processes) on the same data directory, then restart"
+        )
     skipped = store.load_persisted()
     if skipped:
         log.error("datasets not reloaded: %s", ", ".join(skipped))
@@ -189,10 +200,11 @@ def build_server(settings: ServerSettings, engine: Engine | None = None) -> Serv
             # Twice the limit, so that geonear (not gRPC) refuses a message just above it
             # with a message naming the setting (see geonear.service.interceptor).
             ("grpc.max_receive_message_length", 2 * limits.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if worker is not None else 0),
         ],
     )
-    pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, backend), server)
+    servicer = GeoNearServicer(store, settings, backend, worker or (0, 1))
+    pb_grpc.add_GeoNearServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
@@ -268,7 +280,12 @@ def exposure_warning(settings: ServerSettings) -> str | None:
     )
 
 
-def serve(settings: ServerSettings, engine: Engine | None = None) -> None:
+def serve(
+    settings: ServerSettings,
+    engine: Engine | None = None,
+    worker: tuple[int, int] | None = None,
+    ready: Any = None,
+) -> None:
     """Run the server until SIGINT or SIGTERM, then stop gracefully.
 
     On a signal: health turns NOT_SERVING, new calls are refused, and calls in flight
@@ -276,8 +293,13 @@ def serve(settings: ServerSettings, engine: Engine | None = None) -> None:
     happens with a shorter grace, then ``SystemExit(EXIT_DEVICE_LOST)`` is raised so
     that a supervisor restarts the server (see ``geonear.service.lifecycle``).
     """
+    if settings.processes > 1 and worker is None:
+        from geonear.service.processes import serve_processes
+
+        serve_processes(settings)
+        return
     tune_allocator()
-    parts = build_server(settings, engine)
+    parts = build_server(settings, engine, worker)
     parts.server.start()
     warning = exposure_warning(settings)
     if warning:
@@ -287,7 +309,11 @@ def serve(settings: ServerSettings, engine: Engine | None = None) -> None:
     lifecycle = parts.lifecycle
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lifecycle.request_stop)
-    log.info("geonear listening on %s:%d", settings.host, parts.port)
+    if worker is None:
+        log.info("geonear listening on %s:%d", settings.host, parts.port)
+    else:
+        log.info("worker %d of %d serving on port %d", worker[0], worker[1], parts.port)
+        ready.put(worker[0])  # the parent announces the port once every worker serves
     lifecycle.stop_requested.wait()
     grace_s = lifecycle.grace_s(settings.shutdown_grace_s)
     log.info("shutting down: NOT_SERVING, %.1f s for calls in flight", grace_s)

@@ -105,7 +105,14 @@ def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
 
 
 class GeoNearServicer(pb_grpc.GeoNearServicer):
-    def __init__(self, store: DatasetStore, settings: ServerSettings, backend: str) -> None:
+    def __init__(
+        self,
+        store: DatasetStore,
+        settings: ServerSettings,
+        backend: str,
+        worker: tuple[int, int] = (0, 1),
+    ) -> None:
+        self.worker_index, self.worker_processes = worker
         self.store = store
         self.settings = settings
         self.limits = settings.limits
@@ -376,6 +383,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 self.engine.name,
                 *[n for n in runnable_engine_names() if n != self.engine.name],
             ],
+            worker_processes=self.worker_processes,
+            worker_index=self.worker_index,
             pool_used_bytes=used,
             pool_total_bytes=total,
         )

@@ -99,6 +99,12 @@ class ServerSettings(BaseSettings):
         False, description="managed (unified) memory pool for sets larger than the card; slower"
     )
     # -- scale-out -------------------------------------------------------------------------
+    processes: int = Field(
+        1,
+        ge=1,
+        description="worker processes on one port (SO_REUSEPORT), each holding every "
+        "dataset; datasets are read-only while more than one serves",
+    )
     dask_scheduler: str | None = Field(
         None, description="address of a Dask scheduler to partition datasets over"
     )

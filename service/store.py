@@ -122,6 +122,8 @@ class DatasetStore:
         self._host_budget = self.limits.dataset_host_bytes()
         self._datasets: dict[str, DatasetVersion] = {}
         self._lock = threading.Lock()
+        #: Set when several processes serve one data directory: none may change it.
+        self.read_only_reason: str | None = None
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -172,8 +174,13 @@ class DatasetStore:
             )
 
     # -- changing ------------------------------------------------------------------------
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only_reason is not None:
+            raise Precondition(self.read_only_reason)
+
     def upload(self, name: str, mode: str, table: pa.Table) -> DatasetVersion:
         """Create, replace or append; ``table`` is already normalised (id, lat, lon, ...)."""
+        self._refuse_if_read_only()
         check_dataset_name(name)
         with self._lock:
             current = self._datasets.get(name)
@@ -196,6 +203,7 @@ class DatasetStore:
         self, name: str, ids: Iterable[int] | Iterable[str]
     ) -> tuple[DatasetVersion, int, int]:
         """Delete rows by id; returns (new version, rows deleted, ids not found)."""
+        self._refuse_if_read_only()
         with self._lock:
             current = self.get(name)
             id_col = current.table.column("id")
@@ -217,6 +225,7 @@ class DatasetStore:
 
     def drop(self, name: str) -> DatasetVersion:
         """Remove a dataset; durable once the manifest no longer names it."""
+        self._refuse_if_read_only()
         with self._lock:
             current = self.get(name)
             if self.data_dir is not None:
@@ -309,7 +318,9 @@ class DatasetStore:
         """
         if self.data_dir is None:
             return []
-        self._remove_temporary_files()
+        owns_files = self.read_only_reason is None  # readers leave the files as they are
+        if owns_files:
+            self._remove_temporary_files()
         if not (self.data_dir / MANIFEST).exists():
             return []
         try:
@@ -341,11 +352,13 @@ class DatasetStore:
                     exc,
                 )
                 skipped.append(name)
-                self._set_aside(name, entry)
+                if owns_files:
+                    self._set_aside(name, entry)
                 continue
             self._datasets[name] = built
             log.info("reloaded dataset %s version %d: %d rows", name, built.version, built.rows)
-        self._remove_unnamed_versions()
+        if owns_files:
+            self._remove_unnamed_versions()
         if self.host_bytes() > self._host_budget:
             log.warning(
                 "reloaded datasets hold %d bytes, more than max_dataset_host_bytes=%d; "

@@ -326,7 +326,7 @@ class Limits(_message.Message):
     def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_dataset_host_bytes: _Optional[int] = ..., max_dataset_device_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes")
+    __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes", "worker_processes", "worker_index")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,8 @@ class ServerInfoResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -343,4 +345,6 @@ class ServerInfoResponse(_message.Message):
     engines: _containers.RepeatedScalarFieldContainer[str]
     pool_used_bytes: int
     pool_total_bytes: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., earth_radius_m: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., pool_used_bytes: _Optional[int] = ..., pool_total_bytes: _Optional[int] = ...) -> None: ...
+    worker_processes: int
+    worker_index: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., earth_radius_m: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., pool_used_bytes: _Optional[int] = ..., pool_total_bytes: _Optional[int] = ..., worker_processes: _Optional[int] = ..., worker_index: _Optional[int] = ...) -> None: ...
