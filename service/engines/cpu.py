@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.spatial import cKDTree
 
-from geonear.service.engines.base import Neighbours, RadiusNeighbours
-from geonear.service.engines.host import HostEngine, HostIndex
+from geonear.service.engines.base import Neighbours
+from geonear.service.engines.host import HostEngine, HostIndex, flatten_candidates
 from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
@@ -73,17 +73,7 @@ class KDTreeIndex(HostIndex):
         found = self.tree.query_ball_point(
             unit_vectors(lat, lon), bounds, workers=self.workers, return_sorted=False
         )
-        counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_q)
-        rows = (
-            np.concatenate([np.asarray(f, dtype=np.int64) for f in found])
-            if counts.sum()
-            else np.empty(0, dtype=np.int64)
-        )
-        return np.repeat(np.arange(n_q, dtype=np.int64), counts), rows
-
-    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
-        query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))
-        return self.exact_radius(lat, lon, query_index, rows, radius_m)
+        return flatten_candidates(found, n_q)
 
 
 class CPUEngine(HostEngine):

@@ -43,7 +43,12 @@ from geonear.service.engines.base import (
     sort_neighbours,
     sort_radius,
 )
-from geonear.service.engines.spherical_kmeans import check_stop, seed_kmeans_plus_plus
+from geonear.service.engines.spherical_kmeans import (
+    centroids_from_sums,
+    check_stop,
+    cluster_sums,
+    seed_kmeans_plus_plus,
+)
 from geonear.service.errors import ServiceError
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
@@ -103,14 +108,7 @@ def _partition_lloyd_step(
     labels = np.argmax(xyz @ centroids.T, axis=1)
     k = centroids.shape[0]
     w = None if weights is None else weights[part.rows]
-    sums = np.stack(
-        [
-            np.bincount(labels, xyz[:, d] if w is None else xyz[:, d] * w, minlength=k)
-            for d in range(3)
-        ],
-        axis=1,
-    )
-    return sums, np.bincount(labels, minlength=k)
+    return cluster_sums(xyz, labels, w, k, np), np.bincount(labels, minlength=k)
 
 
 def _partition_labels(
@@ -351,12 +349,7 @@ class DaskIndex(PointIndex):
                     ]
                 )
                 sums = np.sum([s for s, _ in partial], axis=0)
-                norms = np.sqrt((sums * sums).sum(axis=1))
-                new = np.where(
-                    (norms == 0)[:, None],
-                    centroids,
-                    sums / np.where(norms == 0, 1.0, norms)[:, None],
-                )
+                new = centroids_from_sums(sums, centroids, np)
                 shift = float(np.max(angle_between(centroids, new)))
                 centroids = new
                 if shift <= tol:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 from geonear.service.engines.base import (
@@ -22,6 +25,17 @@ BLOCK_PAIRS = 1 << 22
 #: Neighbours this close to the k-th one may tie with it, metres: far above float64
 #: rounding of a distance, far below the 1 mm of the exactness rule.
 _TIE_M = 1e-6
+
+
+def flatten_candidates(found: Sequence[Any], n_queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query_index, rows) of a tree's per-query candidate lists."""
+    counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_queries)
+    rows = (
+        np.concatenate([np.asarray(f, dtype=np.int64) for f in found])
+        if counts.sum()
+        else np.empty(0, dtype=np.int64)
+    )
+    return np.repeat(np.arange(n_queries, dtype=np.int64), counts), rows
 
 
 class HostIndex(PointIndex):
@@ -63,6 +77,11 @@ class HostIndex(PointIndex):
     ) -> tuple[np.ndarray, np.ndarray]:
         """(query_index, rows): a superset of the points within ``radius_m[q]`` of query q."""
         raise NotImplementedError(f"{type(self).__name__} has no radius candidate search")
+
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        """Candidates from the tree, kept and sorted by their exact distance."""
+        query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))
+        return self.exact_radius(lat, lon, query_index, rows, radius_m)
 
     def cut_at_k(
         self, q_lat: np.ndarray, q_lon: np.ndarray, found: Neighbours, k: int

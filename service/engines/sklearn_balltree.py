@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from sklearn.neighbors import BallTree
 
-from geonear.service.engines.base import Neighbours, RadiusNeighbours
-from geonear.service.engines.host import HostEngine, HostIndex
+from geonear.service.engines.base import Neighbours
+from geonear.service.engines.host import HostEngine, HostIndex, flatten_candidates
 
 _ANGLE_SLACK = 1e-9
 
@@ -49,15 +49,7 @@ class BallTreeIndex(HostIndex):
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         angle = np.asarray(radius_m) / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
         found = self.tree.query_radius(self._radians(lat, lon), r=angle)
-        counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_q)
-        rows = (
-            np.concatenate(found).astype(np.int64) if counts.sum() else np.empty(0, dtype=np.int64)
-        )
-        return np.repeat(np.arange(n_q, dtype=np.int64), counts), rows
-
-    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
-        query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))
-        return self.exact_radius(lat, lon, query_index, rows, radius_m)
+        return flatten_candidates(found, n_q)
 
 
 class SklearnEngine(HostEngine):

@@ -75,8 +75,13 @@ def _assign(xyz: Any, centroids: Any, xp: Any) -> Any:
 
 def _update(xyz: Any, labels: Any, weights: Any, centroids: Any, xp: Any) -> Any:
     """Normalised weighted mean of each cluster's members; empty clusters stay put."""
-    k = centroids.shape[0]
-    sums = xp.stack(
+    sums = cluster_sums(xyz, labels, weights, centroids.shape[0], xp)
+    return centroids_from_sums(sums, centroids, xp)
+
+
+def cluster_sums(xyz: Any, labels: Any, weights: Any, k: int, xp: Any) -> Any:
+    """(Weighted) sums of each cluster's member unit vectors, shape (k, 3)."""
+    return xp.stack(
         [
             xp.bincount(
                 labels, weights=xyz[:, d] if weights is None else xyz[:, d] * weights, minlength=k
@@ -85,6 +90,10 @@ def _update(xyz: Any, labels: Any, weights: Any, centroids: Any, xp: Any) -> Any
         ],
         axis=1,
     )
+
+
+def centroids_from_sums(sums: Any, centroids: Any, xp: Any) -> Any:
+    """Centroids from cluster sums (k, 3): normalised; a cluster left empty stays put."""
     norms = xp.sqrt((sums * sums).sum(axis=1))
     empty = norms == 0
     safe = xp.where(empty, 1.0, norms)
