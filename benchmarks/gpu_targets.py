@@ -262,7 +262,7 @@ if "kmeans" in sections:
     lat, lon = clustered_points(1_000_000, seed=7)
     index = gpu.build_index(lat, lon)
     start = index.seed_kmeans_plus_plus(64, None, np.random.default_rng(0))
-    ref_start = seed_kmeans_plus_plus(index.xyz, 64, None, np.random.default_rng(0), cp)
+    ref_start = seed_kmeans_plus_plus(index.xyz_by_row(), 64, None, np.random.default_rng(0), cp)
     log(what="fused_seeding_equals_shared", same=bool(cp.array_equal(start, ref_start)))
     ts, (cent, it) = timed(lambda: index.lloyd(start, max_iter=20, tol=-1.0), 3)
     log(what="gpu_lloyd_1M_k64_20it", best=min(ts), n_iter=it)

@@ -9,6 +9,7 @@
 | cuml           | cuML NearestNeighbors (comparison)   | cuML KMeans           | RAPIDS + GPU |
 | cupy-broadcast | naive CuPy broadcasting (baseline)   | CuPy                  | CuPy + GPU   |
 | dask           | partitions on Dask workers, merged   | tiled / partial sums  | distributed  |
+| dask-gpu       | the same on dask-cuda workers (gpu)  | tiled / partial sums  | dask-cuda    |
 
 GPU engines are imported only when asked for, so importing geonear never imports CuPy.
 """
@@ -50,10 +51,11 @@ _ENGINES: dict[str, str] = {
     "cuml": "geonear.service.engines.cuml_engines:CumlEngine",
     "cupy-broadcast": "geonear.service.engines.cuml_engines:CupyBroadcastEngine",
     "dask": "geonear.service.engines.dask_cluster:DaskEngine",
+    "dask-gpu": "geonear.service.engines.dask_cluster:DaskGPUEngine",
 }
 
 #: Engines that need a working CUDA device.
-GPU_ENGINES = frozenset({"gpu", "cuml", "cupy-broadcast"})
+GPU_ENGINES = frozenset({"gpu", "cuml", "cupy-broadcast", "dask-gpu"})
 
 
 class EngineUnavailable(RuntimeError):

@@ -502,3 +502,35 @@ class DaskEngine(Engine):
             self.cluster.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+class DaskGPUEngine(DaskEngine):
+    """:class:`DaskEngine` on dask-cuda workers, one per GPU, each indexing with ``gpu``.
+
+    Without a scheduler, a ``LocalCUDACluster`` starts one worker per visible GPU
+    (``local_workers`` of them, all GPUs by default).
+    """
+
+    name = "dask-gpu"
+
+    def __init__(
+        self,
+        earth_radius_m: float = EARTH_RADIUS_M,
+        *,
+        scheduler: str | None = None,
+        local_workers: int | None = None,
+        partition_dir: Path | str | None = None,
+        partitions_per_worker: int = 2,
+    ) -> None:
+        if local_workers is None:
+            import cupy
+
+            local_workers = int(cupy.cuda.runtime.getDeviceCount())
+        super().__init__(
+            earth_radius_m,
+            scheduler=scheduler,
+            local_workers=local_workers,
+            partition_dir=partition_dir,
+            worker_engine="gpu",
+            partitions_per_worker=partitions_per_worker,
+        )

@@ -2,28 +2,29 @@
 
 Index (built once per dataset version, ``GPUIndex``):
 
-- float64 unit vectors of the points, in row order (``xyz``, (n, 3)): the exact data;
-- the same points sorted by a 63-bit Morton key of their unit vector, as float32
-  ``(x, y, z, row)`` (``points``, (n, 4));
+- the float64 unit vectors of the points sorted by a 63-bit Morton key (``xyz``, (n, 3)),
+  the same in float32 with each point's row (``points``, (n, 4)), the rows (``rows``)
+  and each row's position (``rank``), int32;
 - an implicit tree over the sorted points: leaves of ``leaf_size`` consecutive points and
   nodes of ``FANOUT`` children, each with the float32 bounding box of its points.
 
 Building is one sort of the keys plus a few passes over the points. Leaves hold a fixed
 number of points, not a fixed volume, so the tree adapts to density: a city of a million
 points and an empty ocean cost the same number of levels (clustered data is where a
-uniform grid fails). About 45 bytes of device memory per point, index included.
+uniform grid fails). About 53 bytes of device memory per point, index included.
 
-Queries (one CUDA thread each, sorted by the same key so that a warp walks one region):
+Queries are sorted by the same key, so that neighbouring queries walk one region:
 
-- KNN: depth-first search, nearest child first, the k best kept sorted in registers,
-  for k up to ``MAX_TREE_K``; above it, brute force over sorted float64 distances.
-- Radius: the same search with a fixed bound, counting first, then writing each query's
-  neighbours into its slot and sorting them.
+- KNN, one CUDA thread a query: depth-first search, nearest child first, the k best
+  kept sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
+  float64 distances.
+- Radius, one group of 8 lanes a query (testing a node's 8 children or a leaf's 8 points
+  at once): the same search with a fixed bound, counting first, then writing each
+  query's neighbours into its slot and sorting them.
 
-Search is float32 and decisions are float64: boxes and a first test of each point use
-float32 with a margin far above its rounding, and a point that passes is measured again
-in float64 and ranked by (squared chord, row), so answers equal the float64 reference
-(DESIGN.md). Returned distances are float64 great-circle metres (atan2 form).
+Boxes and a first test of each point use float32 with a margin far above its rounding;
+decisions are float64, ranked by (squared chord, row), so answers equal the float64
+reference (DESIGN.md). Returned distances are float64 great-circle metres (atan2 form).
 
 Distance matrices are one fused kernel (float32 or float64); k-means assigns and
 accumulates in one kernel per iteration with deterministic fixed-point sums, seeded by
@@ -60,7 +61,7 @@ from geonear.service.geometry import (
 )
 
 #: Points per leaf of the index: 8 measured fastest on an H200 among 8-32 (10M points,
-#: 1M queries, k=10, uniform and clustered), with 45 bytes per point in all.
+#: 1M queries, k=10, uniform and clustered).
 LEAF_SIZE = 8
 #: Children per node; fixed at compile time in the kernels.
 FANOUT = 8
@@ -72,14 +73,16 @@ MAX_TREE_K = REGISTER_K[-1]
 SORT_QUERIES_FROM = 2048
 #: Radius answers of at most this many neighbours per query are sorted by the kernel.
 RADIUS_SORT_LIMIT = 128
-#: Depth limit of the kernels' traversal stack (STACK = 128 entries, 7 per level).
-_MAX_LEVELS = 17
+#: Depth limit of the kernels' traversal stack (STACK = 72 entries: 7 per level, 8 on
+#: the last), enough for 2**31 points in leaves of 8.
+_MAX_LEVELS = 11
 #: Relative slack on chord bounds in metres: far above float64 rounding, far below 1 mm.
 _CHORD_SLACK = 1e-9
 #: Bound on one brute-force block (queries x points) and one matrix tile, elements.
 _BLOCK_ELEMENTS = 1 << 26
 _MATRIX_TILE_BYTES = 1 << 30
 _THREADS = 128
+_QUERIES_PER_BLOCK = 16  # radius: GROUPS in the source, 8 lanes a query
 _MATRIX_ROWS = 16  # rows per block of the matrix kernel (MATRIX_ROWS in the source)
 
 _NAMES = [f"knn<{k}>" for k in REGISTER_K] + [
@@ -177,8 +180,11 @@ class GPUIndex(PointIndex):
         if n >= 2**31:
             raise ValueError(f"the GPU index holds at most 2**31 - 1 points, got {n}")
         self.n_points = n
-        self.xyz, keys = unit_vectors_device(lat, lon, with_keys=True)
+        xyz, keys = unit_vectors_device(lat, lon, with_keys=True)
+        self.xyz = cp.empty((n, 3), dtype=cp.float64)
         self.points = cp.empty((n, 4), dtype=cp.float32)
+        self.rows = cp.empty(n, dtype=cp.int32)
+        self.rank = cp.empty(n, dtype=cp.int32)
         counts = [max(1, -(-n // self.leaf_size))]
         while counts[-1] > 1:
             counts.append(-(-counts[-1] // FANOUT))
@@ -195,13 +201,17 @@ class GPUIndex(PointIndex):
             return
         order = cp.argsort(keys)
         del keys
-        _fn("pack_points")((_blocks(n),), (_THREADS,), (self.xyz, order, np.int64(n), self.points))
-        del order
+        _fn("pack_points")(
+            (_blocks(n),),
+            (_THREADS,),
+            (xyz, order, np.int64(n), self.xyz, self.points, self.rows, self.rank),
+        )
+        del order, xyz
         _fn("leaf_boxes")(
             (_blocks(counts[0]),),
             (_THREADS,),
             (
-                self.points,
+                self.xyz,
                 np.int64(n),
                 np.int32(self.leaf_size),
                 np.int64(counts[0]),
@@ -231,13 +241,20 @@ class GPUIndex(PointIndex):
 
     @property
     def device_bytes(self) -> int:
-        arrays = (self.xyz, self.points, self.box_lo, self.box_hi)
+        arrays = (self.xyz, self.points, self.rows, self.rank, self.box_lo, self.box_hi)
         return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1))
 
+    def _by_position(self, weights: cp.ndarray | None) -> Any:
+        """Per-row weights in index order, as a kernel argument (null for none)."""
+        return _NULL if weights is None else cp.ascontiguousarray(weights[self.rows])
+
+    def xyz_by_row(self) -> cp.ndarray:
+        """The float64 unit vectors (n, 3) in row order (a new array)."""
+        return self.xyz[self.rank]
+
     def _tree_args(self) -> tuple[Any, ...]:
+        """The kernels' arguments that describe the tree, after the point arrays."""
         return (
-            self.points,
-            self.xyz,
             self.box_lo,
             self.box_hi,
             self.level_start,
@@ -277,6 +294,9 @@ class GPUIndex(PointIndex):
             (_blocks(queries.n),),
             (_THREADS,),
             (
+                self.points,
+                self.xyz,
+                self.rank,
                 *self._tree_args(),
                 queries.sorted_xyz,
                 queries.order,
@@ -294,14 +314,15 @@ class GPUIndex(PointIndex):
     def _knn_brute(
         self, queries: _Queries, k: int, max_distance_m: float | None
     ) -> tuple[cp.ndarray, cp.ndarray]:
-        # Large k: float64 distances in blocks, sorted per row (CuPy's sort is stable,
-        # so equal distances keep row order).
+        # Large k: float64 distances in blocks, in row order, sorted per query (CuPy's
+        # sort is stable, so equal distances keep row order).
         out_idx = cp.empty((queries.n, k), dtype=cp.int64)
         out_dist = cp.empty((queries.n, k), dtype=cp.float64)
         step = max(1, _BLOCK_ELEMENTS // self.n_points)
         for start in range(0, queries.n, step):
             stop = min(queries.n, start + step)
             d = _matrix_device(queries.xyz[start:stop], self.xyz, self.earth_radius_m)
+            d = d[:, self.rank]
             order = cp.argsort(d, axis=1)[:, :k]
             dist = cp.take_along_axis(d, order, axis=1)
             if max_distance_m is not None:
@@ -340,6 +361,8 @@ class GPUIndex(PointIndex):
             outer_sq = chord * chord * (1 + _CHORD_SLACK) + 1e-30
         counts = cp.empty(queries.n, dtype=cp.int64)
         head = (
+            self.xyz,
+            self.rows,
             *self._tree_args(),
             queries.sorted_xyz,
             queries.order,
@@ -352,7 +375,7 @@ class GPUIndex(PointIndex):
             counts,
         )
         search = _fn("radius_search")
-        grid, block = (_blocks(queries.n),), (_THREADS,)
+        grid, block = (_blocks(queries.n, _QUERIES_PER_BLOCK),), (_THREADS,)
         search(grid, block, (*head, _NULL, _NULL, _NULL, np.int32(RADIUS_SORT_LIMIT)))
         offsets = cp.zeros(queries.n + 1, dtype=cp.int64)
         cp.cumsum(counts, out=offsets[1:])
@@ -411,21 +434,22 @@ class GPUIndex(PointIndex):
         masses updated in one kernel per centre.
         """
         n = self.n_points
-        w_null = _NULL if weights is None else weights
+        w_null = self._by_position(weights)
         by_weight = cp.cumsum(cp.ones(n) if weights is None else weights)
         nearest = cp.empty(n, dtype=cp.float64)
-        mass = cp.empty(n, dtype=cp.float64)
+        mass = cp.empty(n, dtype=cp.float64)  # by row, as the draws are
         chosen = [_draw(by_weight, rng)]
         fn = _fn("kmeanspp_nearest")
         for i in range(1, k + 1):
-            args = (self.xyz, w_null, np.int64(n), np.int64(chosen[-1]), np.int32(i == 1))
+            centre = np.int64(int(self.rank[chosen[-1]]))
+            args = (self.xyz, w_null, np.int64(n), centre, np.int32(i == 1), self.rows)
             fn((_blocks(n, 256),), (256,), (*args, nearest, mass))
             if i == k:
                 break
             cumulative = cp.cumsum(mass)
             # With fewer distinct points than clusters every distance is 0: draw by weight.
             chosen.append(_draw(cumulative if float(cumulative[-1]) > 0.0 else by_weight, rng))
-        return self.xyz[cp.asarray(np.array(chosen, dtype=np.int64))].copy()
+        return self.xyz[self.rank[cp.asarray(np.array(chosen, dtype=np.int64))]]
 
     def lloyd(
         self,
@@ -452,6 +476,7 @@ class GPUIndex(PointIndex):
         sums = cp.empty((k, 3), dtype=cp.uint64)
         shift = cp.empty(k, dtype=cp.float64)
         step, update = _fn("kmeans_assign_accumulate"), _fn("kmeans_update")
+        w_positions = self._by_position(weights)
         n_iter = 0
         for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
             sums.fill(0)
@@ -460,7 +485,7 @@ class GPUIndex(PointIndex):
                 (256,),
                 (
                     self.xyz,
-                    _NULL if weights is None else weights,
+                    w_positions,
                     np.int64(n),
                     centroids,
                     np.int32(k),
@@ -489,11 +514,12 @@ class GPUIndex(PointIndex):
             (256,),
             (
                 self.xyz,
-                _NULL if weights is None else weights,
+                self._by_position(weights),
                 np.int64(n),
                 cp.ascontiguousarray(centroids, dtype=cp.float64),
                 np.int32(k),
                 np.float64(self.earth_radius_m),
+                self.rows,
                 labels,
                 sq,
             ),
