@@ -263,7 +263,6 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 f"{found.count} result rows exceed the {COMPACT_MAX_ROWS} of a compact "
                 f"answer; call {streaming_rpc}, which streams any number"
             )
-        ids = found.ids()
         response = pb.CompactNeighbours(
             query_index=found.query_index.tolist(),
             rank=found.rank.tolist(),
@@ -271,10 +270,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             earth_radius_m=self.engine.earth_radius_m,
             dataset_version=found.dataset.version,
         )
-        if pa.types.is_integer(ids.type):
-            response.int_ids.extend(ids.to_numpy().tolist())
+        ids = found.dataset.int_ids
+        if ids is not None:
+            # A NumPy view of the id column: a take of a few rows costs microseconds
+            # here, against tens for Arrow's compute kernel.
+            response.int_ids.extend(ids[found.rows].tolist())
         else:
-            response.string_ids.extend(ids.to_pylist())
+            response.string_ids.extend(found.ids().to_pylist())
         return response
 
     def DistanceMatrix(self, request, context):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -89,6 +90,13 @@ class DatasetVersion:
     def host_bytes(self) -> int:
         """Table buffers plus the index's own host memory (buffers are shared, not copied)."""
         return int(self.table.nbytes + self.index.host_bytes)
+
+    @functools.cached_property
+    def int_ids(self) -> np.ndarray | None:
+        """Integer ids as a NumPy view of the id column (None for string ids), kept."""
+        if not pa.types.is_integer(self.table.schema.field("id").type):
+            return None
+        return column_numpy(self.table, "id")
 
     @property
     def id_type(self) -> str:
