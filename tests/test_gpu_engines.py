@@ -116,24 +116,6 @@ def test_knn_of_many_queries_is_the_same_in_any_order(gpu: Engine) -> None:
     np.testing.assert_array_equal(few.indices, whole.indices[:10])
 
 
-def test_knn_in_pipelined_chunks_equals_one_call(
-    gpu: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Large calls run in chunks on three streams; small chunks here exercise that path,
-    # with a last chunk shorter than the others and a k above the register lists.
-    from geonear.service.engines import gpu as gpu_module
-
-    index = gpu.build_index(*CLUSTERED)
-    lat, lon = CLUSTER_QUERIES
-    for k, bound in ((8, None), (3, 20_000.0), (gpu_module.MAX_TREE_K + 2, None)):
-        whole = index.knn(lat, lon, k, max_distance_m=bound)
-        monkeypatch.setattr(gpu_module, "PIPELINE_QUERIES", max(1, lat.shape[0] // 3 - 1))
-        chunked = index.knn(lat, lon, k, max_distance_m=bound)
-        monkeypatch.undo()
-        np.testing.assert_array_equal(chunked.indices, whole.indices)
-        np.testing.assert_array_equal(chunked.distances_m, whole.distances_m)
-
-
 # -- radius ----------------------------------------------------------------------------
 @pytest.mark.parametrize("data", SETS)
 @pytest.mark.parametrize("radius_m", [0.0, 3_000.0, 60_000.0, 1_500_000.0])

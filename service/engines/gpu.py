@@ -69,9 +69,6 @@ FANOUT = 8
 #: (10, the usual k, has its own: fewer registers, more queries in flight).
 REGISTER_K = (1, 2, 4, 8, 10, 16, 24, 32, 64, 128)
 MAX_TREE_K = REGISTER_K[-1]
-#: KNN calls of at least twice this many queries run in chunks of it, each chunk's upload
-#: and copy back overlapping the search of its neighbour (``GPUIndex._knn_pipelined``).
-PIPELINE_QUERIES = 1 << 18
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
 #: Radius answers of at most this many neighbours per query are sorted by the kernel.
@@ -116,24 +113,6 @@ def _blocks(n: int, threads: int = _THREADS) -> int:
 
 
 _NULL = np.uint64(0)  # a null pointer argument
-
-
-class _Pipeline:
-    """The streams of pipelined KNN calls, made once per process, one call at a time."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._streams: tuple[Any, Any, Any] | None = None
-
-    def streams(self) -> tuple[Any, Any, Any]:
-        """(upload, compute, copy): non-blocking streams, created on first use."""
-        if self._streams is None:
-            new = cp.cuda.Stream
-            self._streams = (new(non_blocking=True), new(non_blocking=True), new(non_blocking=True))
-        return self._streams
-
-
-_pipeline = _Pipeline()
 
 
 def _to_host(a: cp.ndarray) -> np.ndarray:
@@ -293,56 +272,8 @@ class GPUIndex(PointIndex):
         n_q, kk = int(np.shape(lat)[0]), min(int(k), self.n_points)
         if kk <= 0 or n_q == 0 or (max_distance_m is not None and max_distance_m < 0):
             return Neighbours(np.full((n_q, max(kk, 0)), np.inf), np.full((n_q, max(kk, 0)), -1))
-        if n_q >= 2 * PIPELINE_QUERIES:
-            return self._knn_pipelined(lat, lon, kk, max_distance_m)
         dist, idx = self.knn_device(_Queries(lat, lon), kk, max_distance_m)
         return Neighbours(distances_m=_to_host(dist), indices=_to_host(idx))
-
-    def _knn_pipelined(
-        self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None
-    ) -> Neighbours:
-        """KNN in chunks of PIPELINE_QUERIES on three streams, so that one chunk's upload
-        and the previous chunk's copy back run while a chunk is searched."""
-        n_q = int(np.shape(lat)[0])
-        dist_host = cupyx.empty_pinned((n_q, k), dtype=np.float64)
-        idx_host = cupyx.empty_pinned((n_q, k), dtype=np.int64)
-        keep: list[Any] = []  # device arrays stay alive until their copies are done
-        with _pipeline.lock:
-            try:
-                self._pipeline_chunks(lat, lon, k, max_distance_m, dist_host, idx_host, keep)
-            finally:
-                for stream in _pipeline.streams():  # all done before the arrays are freed
-                    stream.synchronize()
-        del keep
-        return Neighbours(distances_m=dist_host, indices=idx_host)
-
-    def _pipeline_chunks(
-        self,
-        lat: np.ndarray,
-        lon: np.ndarray,
-        k: int,
-        max_distance_m: float | None,
-        dist_host: np.ndarray,
-        idx_host: np.ndarray,
-        keep: list[Any],
-    ) -> None:
-        upload, compute, copy = _pipeline.streams()
-        n_q = int(np.shape(lat)[0])
-        for a in range(0, n_q, PIPELINE_QUERIES):
-            b = min(n_q, a + PIPELINE_QUERIES)
-            with upload:
-                lat_d = cp.asarray(lat[a:b], dtype=cp.float64)
-                lon_d = cp.asarray(lon[a:b], dtype=cp.float64)
-                uploaded = upload.record()
-            compute.wait_event(uploaded)
-            with compute:
-                queries = _Queries(lat_d, lon_d)
-                dist, idx = self.knn_device(queries, k, max_distance_m)
-                searched = compute.record()
-            copy.wait_event(searched)
-            dist.get(out=dist_host[a:b], stream=copy, blocking=False)
-            idx.get(out=idx_host[a:b], stream=copy, blocking=False)
-            keep.append((lat_d, lon_d, queries, dist, idx))
 
     def knn_device(
         self, queries: _Queries, k: int, max_distance_m: float | None
