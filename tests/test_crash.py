@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from server_process import start_server
 
 from geonear.clients.client import Client
 from geonear.clients.errors import GeoNearError
@@ -49,35 +49,13 @@ class ServerProcess:
         self.workdir = workdir
         self.starts = 0
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.target = ""
 
     def start(self) -> None:
         self.starts += 1
+        args = ["-m", "geonear", "serve", "--port", "0", "--data-dir", str(self.data_dir)]
         log_path = self.workdir / f"server-{self.starts}.log"
-        with open(log_path, "wb") as log:
-            # cwd outside the repository, so the source folders do not shadow the package.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "geonear", "serve", "--port", "0", "--data-dir",
-                 str(self.data_dir), "--backend", "cpu"],
-                cwd=self.workdir,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            text = log_path.read_text(errors="replace")
-            if "listening on" in text:
-                line = next(ln for ln in text.splitlines() if "listening on" in ln)
-                self.port = int(line.rsplit(":", 1)[1])
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited at start:\n{text}")
-            time.sleep(0.02)
-        raise AssertionError(f"the server did not start:\n{log_path.read_text()}")
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        self.proc, self.target = start_server([*args, "--backend", "cpu"], log_path, self.workdir)
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -8,8 +8,6 @@ it; its restart is a plain ``geonear serve`` on the same data directory.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_process import start_server
 
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import uniform_points
@@ -69,21 +68,6 @@ serve(ServerSettings(port=0, data_dir=sys.argv[2], backend="cpu"), engine=Device
 """
 
 
-def _start(args: list[str], log_path: Path, cwd: Path) -> tuple[subprocess.Popen, str]:
-    with open(log_path, "wb") as log:
-        # cwd outside the repository, so the source folders do not shadow the package.
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=log
-        )
-    deadline = time.monotonic() + 60
-    while "listening on" not in log_path.read_text():
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.02)
-    line = next(ln for ln in log_path.read_text().splitlines() if "listening on" in ln)
-    return proc, f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
-
-
 def _datasets(rng: np.random.Generator) -> dict[str, pa.Table]:
     tables = {}
     for name, n in (("ports", 300), ("shops", 1200), ("trees", 50)):
@@ -98,7 +82,7 @@ def test_device_lost_answers_unavailable_reports_not_serving_exits_and_restarts(
     data_dir = tmp_path / "data"
     tables = _datasets(np.random.default_rng(6))
     tests_dir = str(Path(__file__).parent)
-    proc, target = _start(
+    proc, target = start_server(
         ["-c", SERVE_FAILING, tests_dir, str(data_dir)], tmp_path / "failing.log", tmp_path
     )
     try:
@@ -136,7 +120,7 @@ def test_device_lost_answers_unavailable_reports_not_serving_exits_and_restarts(
     assert "rpc=Knn dataset=shops rows=0" in text and "status=UNAVAILABLE" in text
 
     # The supervisor's restart: geonear serve on the same data directory.
-    proc, target = _start(
+    proc, target = start_server(
         ["-m", "geonear", "serve", "--port", "0", "--data-dir", str(data_dir),
          "--backend", "cpu"],
         tmp_path / "restarted.log", tmp_path,

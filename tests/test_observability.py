@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import start_server
 
 from geonear.clients.client import Client
 from geonear.clients.errors import NotFound
@@ -149,21 +150,11 @@ def test_health_goes_not_serving_at_shutdown_while_calls_finish(tmp_path) -> Non
 
 def test_sigterm_stops_the_server_process_gracefully(tmp_path) -> None:
     import signal
-    import subprocess
-    import sys
 
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "geonear", "serve", "--port", "0", "--memory-only",
-             "--backend", "cpu", "--metrics-port", "0"],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
+    args = ["-m", "geonear", "serve", "--port", "0", "--memory-only", "--backend", "cpu"]
+    proc, _ = start_server([*args, "--metrics-port", "0"], log_path, tmp_path)
     try:
-        stop = time.monotonic() + 60
-        while "listening on" not in log_path.read_text() and proc.poll() is None:
-            assert time.monotonic() < stop, log_path.read_text()
-            time.sleep(0.02)
         assert "metrics on http://127.0.0.1:" in log_path.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

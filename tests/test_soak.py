@@ -25,7 +25,6 @@ import collections
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from server_process import start_server
 
 from geonear.clients.client import Client
 from geonear.clients.errors import GeoNearError
@@ -122,21 +122,8 @@ def _rss_bytes(pid: int) -> int:
 
 # -- the server process ------------------------------------------------------------------
 def _start_server(data_dir: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
-    log_path = workdir / "server.log"
-    with open(log_path, "wb") as log:
-        # cwd outside the repository, so the source folders do not shadow the package.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "geonear", "serve", "--port", "0", "--data-dir",
-             str(data_dir), "--backend", "cpu"],
-            cwd=workdir, stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "listening on" not in log_path.read_text():
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.02)
-    line = next(ln for ln in log_path.read_text().splitlines() if "listening on" in ln)
-    return proc, f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+    args = ["-m", "geonear", "serve", "--port", "0", "--data-dir", str(data_dir)]
+    return start_server([*args, "--backend", "cpu"], workdir / "server.log", workdir)
 
 
 # -- the clients ---------------------------------------------------------------------------
