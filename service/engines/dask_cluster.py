@@ -508,7 +508,8 @@ class DaskGPUEngine(DaskEngine):
     """:class:`DaskEngine` on dask-cuda workers, one per GPU, each indexing with ``gpu``.
 
     Without a scheduler, a ``LocalCUDACluster`` starts one worker per visible GPU
-    (``local_workers`` of them, all GPUs by default).
+    (``local_workers`` of them, all GPUs by default); the other options are
+    :class:`DaskEngine`'s.
     """
 
     name = "dask-gpu"
@@ -517,20 +518,13 @@ class DaskGPUEngine(DaskEngine):
         self,
         earth_radius_m: float = EARTH_RADIUS_M,
         *,
-        scheduler: str | None = None,
         local_workers: int | None = None,
-        partition_dir: Path | str | None = None,
-        partitions_per_worker: int = 2,
+        **options: Any,
     ) -> None:
         if local_workers is None:
             import cupy
 
             local_workers = int(cupy.cuda.runtime.getDeviceCount())
         super().__init__(
-            earth_radius_m,
-            scheduler=scheduler,
-            local_workers=local_workers,
-            partition_dir=partition_dir,
-            worker_engine="gpu",
-            partitions_per_worker=partitions_per_worker,
+            earth_radius_m, local_workers=local_workers, worker_engine="gpu", **options
         )
