@@ -14,10 +14,17 @@ per radius.
 
 A request whose deadline passes while it waits in the queue is answered
 DEADLINE_EXCEEDED and left out of the batch; the others are not disturbed.
+
+Callers on threads use ``knn``/``radius``; callers on the server's event loop use
+``knn_async``/``radius_async``, which queue the same way and await the answer without
+holding the loop, so the loop goes on reading requests while a batch runs: that is
+what fills the next batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -46,6 +53,8 @@ class _Request:
     max_distance_m: float | None = None
     radius_m: float = 0.0
     future: Future = field(default_factory=Future)
+    #: For a caller on an event loop: the loop's future that gets the answer too.
+    awaited: asyncio.Future | None = None
 
     def group(self) -> tuple[Any, ...]:
         """Requests that may share an engine call."""
@@ -103,14 +112,35 @@ class Batcher:
         result: RadiusNeighbours = self._submit(request, timeout_s)
         return result
 
+    async def knn_async(
+        self,
+        index: PointIndex,
+        lat: np.ndarray,
+        lon: np.ndarray,
+        k: int,
+        max_distance_m: float | None,
+        timeout_s: float | None = None,
+    ) -> Neighbours:
+        request = _Request("knn", index, lat, lon, k=k, max_distance_m=max_distance_m)
+        result: Neighbours = await self._submit_async(request, timeout_s)
+        return result
+
+    async def radius_async(
+        self,
+        index: PointIndex,
+        lat: np.ndarray,
+        lon: np.ndarray,
+        radius_m: float,
+        timeout_s: float | None = None,
+    ) -> RadiusNeighbours:
+        request = _Request("radius", index, lat, lon, radius_m=radius_m)
+        result: RadiusNeighbours = await self._submit_async(request, timeout_s)
+        return result
+
     def _submit(self, request: _Request, timeout_s: float | None) -> Any:
         if request.lat.shape[0] >= self.max_points:
             return _run_alone(request)  # a full batch on its own: no queueing
-        with self._ready:
-            if self._closed:
-                raise RuntimeError("the batcher is closed")
-            self._queue.append(request)
-            self._ready.notify()
+        self._enqueue(request)
         try:
             return request.future.result(timeout=timeout_s)
         except FutureTimeout:
@@ -119,6 +149,27 @@ class Batcher:
                     "the deadline passed while the request waited for a batch"
                 ) from None
             return request.future.result()  # it was already running: wait for it
+
+    async def _submit_async(self, request: _Request, timeout_s: float | None) -> Any:
+        if request.lat.shape[0] >= self.max_points:
+            return await asyncio.to_thread(_run_alone, request)
+        request.awaited = answer = asyncio.get_running_loop().create_future()
+        self._enqueue(request)
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except TimeoutError:
+            if request.future.cancel():
+                raise QueueDeadlineExceeded(
+                    "the deadline passed while the request waited for a batch"
+                ) from None
+            return await answer  # it was already running: wait for it
+
+    def _enqueue(self, request: _Request) -> None:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._queue.append(request)
+            self._ready.notify()
 
     def close(self) -> None:
         with self._ready:
@@ -179,26 +230,48 @@ def _run_batch(batch: list[_Request]) -> None:
     if not batch:
         return
     try:
-        if len(batch) == 1:
-            batch[0].future.set_result(_run_alone(batch[0]))
-            return
-        lat = np.concatenate([r.lat for r in batch])
-        lon = np.concatenate([r.lon for r in batch])
-        starts = np.cumsum([0] + [r.lat.shape[0] for r in batch])
-        spans = list(zip(batch, starts[:-1].tolist(), starts[1:].tolist(), strict=True))
-        results: list[Neighbours] | list[RadiusNeighbours]
-        if batch[0].kind == "knn":
-            knn = batch[0].index.knn(lat, lon, max(r.k for r in batch), None)
-            results = [_split_knn(knn, r, a, b) for r, a, b in spans]
-        else:
-            radius = batch[0].index.radius(lat, lon, batch[0].radius_m)
-            results = [_split_radius(radius, r, a, b) for r, a, b in spans]
+        results = [_run_alone(batch[0])] if len(batch) == 1 else _run_together(batch)
     except BaseException as exc:  # every caller hears of the failure
         for r in batch:
             r.future.set_exception(exc)
+        _answer_loops(batch, [exc] * len(batch))
         return
     for r, result in zip(batch, results, strict=True):
         r.future.set_result(result)
+    _answer_loops(batch, results)
+
+
+def _run_together(batch: list[_Request]) -> list[Any]:
+    lat = np.concatenate([r.lat for r in batch])
+    lon = np.concatenate([r.lon for r in batch])
+    starts = np.cumsum([0] + [r.lat.shape[0] for r in batch])
+    spans = list(zip(batch, starts[:-1].tolist(), starts[1:].tolist(), strict=True))
+    if batch[0].kind == "knn":
+        knn = batch[0].index.knn(lat, lon, max(r.k for r in batch), None)
+        return [_split_knn(knn, r, a, b) for r, a, b in spans]
+    radius = batch[0].index.radius(lat, lon, batch[0].radius_m)
+    return [_split_radius(radius, r, a, b) for r, a, b in spans]
+
+
+def _answer_loops(batch: list[_Request], results: list[Any]) -> None:
+    """Hand the answers of callers on event loops over: one wake-up per loop and batch."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any]]] = {}
+    for r, result in zip(batch, results, strict=True):
+        if r.awaited is not None:
+            by_loop.setdefault(r.awaited.get_loop(), []).append((r.awaited, result))
+    for loop, answers in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(_settle, answers)
+
+
+def _settle(answers: list[tuple[asyncio.Future, Any]]) -> None:
+    for future, result in answers:
+        if future.done():
+            continue  # its caller was cancelled
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 def _split_knn(found: Neighbours, request: _Request, start: int, stop: int) -> Neighbours:

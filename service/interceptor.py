@@ -28,21 +28,32 @@ refused UNAVAILABLE before it starts.
 
 Health checks and reflection pass untouched: open to everyone, never refused, not
 counted.
+
+The server is a grpc.aio server, so every wrapper is a coroutine on its event loop. A
+servicer method that is a coroutine (KnnCompact, RadiusCompact) is awaited there; a
+plain method runs on the loop's thread pool with a :class:`_ThreadContext`, and a
+streaming one makes each response message there. A streamed request (Upload) is read
+on that thread from the loop, message by message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NoReturn
 
 import grpc
 
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
 from geonear.service.engines.base import DeviceLost
-from geonear.service.errors import LimitExceeded
+from geonear.service.errors import Cancelled, LimitExceeded
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
@@ -87,7 +98,100 @@ class _Call:
         self.start = time.perf_counter()
 
 
-class ServerInterceptor(grpc.ServerInterceptor):
+class _Abort(Exception):
+    """Raised by ``_ThreadContext.abort``; the call is then answered with its status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+
+class _ThreadContext:
+    """The context of a synchronous handler, which runs on a server thread.
+
+    The grpc.aio context belongs to the event loop; this one answers from the thread
+    what the servicer asks: ``abort`` (raises, and the loop answers the call),
+    ``time_remaining``, ``is_active`` (False once the client left or the deadline
+    passed), ``peer`` and ``invocation_metadata``.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        left = context.time_remaining()
+        self._deadline = None if left is None else time.monotonic() + left
+        self._peer = context.peer()
+        self._metadata = context.invocation_metadata()
+        #: Set when the call ended under the handler (cancelled or past its deadline).
+        self.over = threading.Event()
+
+    def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Abort(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def is_active(self) -> bool:
+        return not self.over.is_set()
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> Any:
+        return self._metadata
+
+
+async def _in_thread(context: _ThreadContext, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` on the loop's thread pool.
+
+    When the call is cancelled meanwhile, the handler is told (``is_active`` turns
+    False) and the call waits for the thread to let go, so that it keeps its admission
+    slot while its work runs.
+    """
+    running = asyncio.get_running_loop().run_in_executor(None, function, *args)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        context.over.set()
+        with contextlib.suppress(BaseException):
+            await running
+        raise
+
+
+def _blocking_iterator(
+    messages: AsyncIterator[Any], loop: asyncio.AbstractEventLoop
+) -> Iterator[Any]:
+    """The request stream of a call, read from a server thread.
+
+    Raises ``Cancelled`` when the server's loop stops before the next message comes.
+    """
+
+    async def read() -> Any:
+        return await anext(messages)
+
+    while True:
+        try:
+            pending = asyncio.run_coroutine_threadsafe(read(), loop)
+            while True:
+                try:
+                    yield pending.result(timeout=_POLL_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if not loop.is_running():
+                        raise Cancelled("the server stopped during the upload") from None
+        except StopAsyncIteration:
+            return
+        except RuntimeError as exc:  # the loop is closed
+            raise Cancelled("the server stopped during the upload") from exc
+
+
+#: How often a thread waiting for the next request message checks that the loop runs.
+_POLL_S = 1.0
+
+
+_END = object()
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every GeoNear method handler once; see the module docstring."""
 
     def __init__(
@@ -109,14 +213,14 @@ class ServerInterceptor(grpc.ServerInterceptor):
         self._handlers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     # -- dispatch ------------------------------------------------------------------------
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         if method.startswith(OPEN_PREFIXES):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         denial = None
         if self.tokens is not None:
             metadata = handler_call_details.invocation_metadata  # type: ignore[attr-defined]
@@ -124,9 +228,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
         key = (method, denial.status if denial is not None else "")
         handler = self._handlers.get(key)
         if handler is None:
-            inner = continuation(handler_call_details)
+            inner = await continuation(handler_call_details)
             if inner is None:
-                return None  # unknown method: gRPC answers UNIMPLEMENTED
+                return None  # type: ignore[return-value]  # gRPC answers UNIMPLEMENTED
             handler = self._wrap(method.rsplit("/", 1)[-1], inner, denial)
             self._handlers[key] = handler
         return handler
@@ -143,6 +247,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return parse(data) if parse is not None else data
 
         streaming_request = inner.request_streaming
+        behaviour: Callable[..., Any]
         if inner.response_streaming:
             behaviour = self._streaming(rpc, inner, denial, streaming_request)
             factory = (
@@ -164,31 +269,42 @@ class ServerInterceptor(grpc.ServerInterceptor):
         )
 
     # -- around the call -----------------------------------------------------------------
-    def _admit(
+    def _refusal(
+        self, call: _Call, rpc: str, request: Any, denial: Denial | None, streaming: bool
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Checks before the call: the status to refuse it with, or None once admitted."""
+        refusal = None
+        if denial is not None:
+            refusal = grpc.StatusCode[denial.status], denial.message
+        elif self.lifecycle is not None and self.lifecycle.fatal_reason is not None:
+            refusal = grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal()
+        elif not self.admission.try_enter():
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal()
+        elif not streaming and type(request) is _Oversized:
+            self.admission.leave()
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(request)
+        return refusal
+
+    async def _admit(
         self,
         rpc: str,
         request: Any,
-        context: grpc.ServicerContext,
+        context: grpc.aio.ServicerContext,
         denial: Denial | None,
         streaming: bool,
     ) -> tuple[_Call, Any]:
-        """Checks before the call; returns its record and the request (iterator) to pass on."""
+        """Checks before the call; returns its record and the request (iterator) to pass on.
+
+        A streamed request comes back as an iterator to read from a server thread.
+        """
         call = _Call("" if streaming else getattr(request, "dataset", ""))
-        if denial is not None:
-            self._finish(call, rpc, context, grpc.StatusCode[denial.status])
-            context.abort(grpc.StatusCode[denial.status], denial.message)
-        if self.lifecycle is not None and self.lifecycle.fatal_reason is not None:
-            self._finish(call, rpc, context, grpc.StatusCode.UNAVAILABLE)
-            context.abort(grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal())
-        if not self.admission.try_enter():
-            self._finish(call, rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal())
+        refusal = self._refusal(call, rpc, request, denial, streaming)
+        if refusal is not None:
+            self._finish(call, rpc, context, refusal[0])
+            await context.abort(*refusal)
         if streaming:
-            return call, self._checked_stream(request, call)
-        if type(request) is _Oversized:
-            self.admission.leave()
-            self._finish(call, rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(request))
+            loop = asyncio.get_running_loop()
+            return call, self._checked_stream(_blocking_iterator(request, loop), call)
         return call, request
 
     def _checked_stream(self, requests: Iterator[Any], call: _Call) -> Iterator[Any]:
@@ -208,22 +324,35 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
     def _unary(
         self, rpc: str, inner: grpc.RpcMethodHandler, denial: Denial | None, streaming: bool
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The wrapper of a unary handler: on the loop, or on a thread when synchronous."""
         behaviour = inner.stream_unary if streaming else inner.unary_unary
         assert behaviour is not None
+        on_loop = inspect.iscoroutinefunction(behaviour)
 
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            call, request = self._admit(rpc, request, context, denial, streaming)
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call, request = await self._admit(rpc, request, context, denial, streaming)
             code = None
             try:
-                response = behaviour(request, context)
+                if on_loop:
+                    response = await behaviour(request, context)
+                else:
+                    response = await _in_thread(
+                        (local := _ThreadContext(context)), behaviour, request, local
+                    )
                 call.rows = _rows(response)
                 return response
+            except _Abort as exc:
+                code = exc.code
+                await context.abort(exc.code, exc.details)
             except DeviceLost as exc:
                 code = grpc.StatusCode.UNAVAILABLE
-                self._device_lost(context, exc)
+                await context.abort(code, self._device_lost(exc))
+            except asyncio.CancelledError:
+                code = _gone(context)
+                raise
             except BaseException:
-                code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+                code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             finally:
                 self.admission.leave()
@@ -234,57 +363,60 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
     def _streaming(
         self, rpc: str, inner: grpc.RpcMethodHandler, denial: Denial | None, streaming: bool
-    ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        """The wrapper of a synchronous streaming handler: each message made on a thread."""
         behaviour = inner.stream_stream if streaming else inner.unary_stream
-        assert behaviour is not None
+        assert behaviour is not None and not inspect.isasyncgenfunction(behaviour)
 
-        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            call, request = self._admit(rpc, request, context, denial, streaming)
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call, request = await self._admit(rpc, request, context, denial, streaming)
+            local = _ThreadContext(context)
+            responses = behaviour(request, local)
             code = None
             try:
-                for response in behaviour(request, context):
+                while (response := await _in_thread(local, next, responses, _END)) is not _END:
                     call.rows += _rows(response)
                     yield response
-            except GeneratorExit:
-                # gRPC stopped reading: the client went away or its deadline passed.
-                remaining = context.time_remaining()
-                code = (
-                    grpc.StatusCode.DEADLINE_EXCEEDED
-                    if remaining is not None and remaining <= 0
-                    else grpc.StatusCode.CANCELLED
-                )
-                raise
+            except _Abort as exc:
+                code = exc.code
+                await context.abort(exc.code, exc.details)
             except DeviceLost as exc:
                 code = grpc.StatusCode.UNAVAILABLE
-                self._device_lost(context, exc)
+                await context.abort(code, self._device_lost(exc))
+            except (asyncio.CancelledError, GeneratorExit):
+                # gRPC stopped reading: the client went away or its deadline passed.
+                code = _gone(context)
+                local.over.set()
+                raise
             except BaseException:
-                code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+                code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             finally:
                 self.admission.leave()
                 self._finish(call, rpc, context, code)
+                await asyncio.get_running_loop().run_in_executor(None, responses.close)
 
         stream.__name__ = rpc
         return stream
 
-    def _device_lost(self, context: grpc.ServicerContext, exc: DeviceLost) -> None:
-        """Answer UNAVAILABLE; the lifecycle stops the server so that it is restarted."""
+    def _device_lost(self, exc: DeviceLost) -> str:
+        """The UNAVAILABLE message; the lifecycle stops the server so that it is restarted."""
         message = str(exc)
         if self.lifecycle is not None:
             self.lifecycle.fatal(message)
             message = self.lifecycle.refusal()
-        context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        return message
 
     def _finish(
         self,
         call: _Call,
         rpc: str,
-        context: grpc.ServicerContext,
+        context: Any,
         code: grpc.StatusCode | None,
     ) -> None:
         """Metrics and the log line of a finished (or refused) call."""
         if code is None:
-            code = context.code() or grpc.StatusCode.OK  # type: ignore[attr-defined]
+            code = _code(context) or grpc.StatusCode.OK
         status = code.name
         seconds = time.perf_counter() - call.start
         if self.metrics is not None:
@@ -299,6 +431,25 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 status,
                 context.peer(),
             )
+
+
+def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
+    """The status code set on a call so far, or None."""
+    code = context.code()
+    if code is None or isinstance(code, grpc.StatusCode):
+        return code
+    return _CODES.get(code)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _gone(context: Any) -> grpc.StatusCode:
+    """Why a streaming call stopped being read: its deadline passed, or the client left."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _logfmt(value: str) -> str:

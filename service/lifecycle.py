@@ -17,6 +17,7 @@ to stop that ``serve`` waits for.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -44,21 +45,25 @@ class Lifecycle:
 
     Parameters
     ----------
-    health_servicer : grpc_health.v1.health.HealthServicer
+    health_servicer : grpc_health.v1.health.aio.HealthServicer
         Answers health checks; its status is set for "" and for each of ``services``.
     services : iterable of str
         Full names of the services whose status is reported besides the server's ("").
+    loop : asyncio.AbstractEventLoop
+        The server's event loop, which the health servicer belongs to.
     metrics : Metrics, optional
         Its ``geonear_up`` gauge follows the serving status.
     """
 
     def __init__(
         self,
-        health_servicer: health.HealthServicer,
+        health_servicer: health.aio.HealthServicer,
         services: Iterable[str],
+        loop: asyncio.AbstractEventLoop,
         metrics: Metrics | None = None,
     ) -> None:
         self.health = health_servicer
+        self.loop = loop
         self.services = ("", *services)
         self.metrics = metrics
         #: Set by a signal or a fatal error; ``serve`` waits for it.
@@ -76,10 +81,21 @@ class Lifecycle:
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in self.services:
-            self.health.set(name, status)
+        update = asyncio.run_coroutine_threadsafe(self._set_all(status), self.loop)
+        if not self._on_loop():
+            update.result()  # reported before this returns; on the loop it runs next
         if self.metrics is not None:
             self.metrics.state.serving = serving
+
+    async def _set_all(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in self.services:
+            await self.health.set(name, status)
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
 
     def request_stop(self, *_: object) -> None:
         """Begin a graceful stop; usable as a signal handler."""

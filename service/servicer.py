@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,9 +23,9 @@ from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourRows
-from geonear.service.queries.knn import knn
+from geonear.service.queries.knn import knn, knn_async
 from geonear.service.queries.matrix import distance_tiles
-from geonear.service.queries.radius import radius
+from geonear.service.queries.radius import radius, radius_async
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
 from geonear.service.validation import check_dataset_name, normalise_upload
@@ -46,29 +47,49 @@ _DTYPES: dict[int, MatrixDtype] = {
 }
 
 
+def _status_of(
+    exc: BaseException, context: grpc.ServicerContext | grpc.aio.ServicerContext
+) -> tuple[grpc.StatusCode, str] | None:
+    """The status code and message a domain error is answered with; None for others."""
+    if isinstance(exc, ServiceError):
+        code = grpc.StatusCode[exc.status]
+        if isinstance(exc, Cancelled):
+            left = context.time_remaining()
+            if left is not None and left <= 0:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+        return code, str(exc)
+    if isinstance(exc, WireError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, MemoryError):
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"out of memory: {exc or 'allocation failed'}; use fewer points per call",
+        )
+    return None
+
+
 @contextlib.contextmanager
 def _translate(context: grpc.ServicerContext) -> Iterator[None]:
     """Turn domain errors into a status code and message; never let one crash the server."""
     try:
         yield
-    except ServiceError as exc:
-        code = grpc.StatusCode[exc.status]
-        if (
-            isinstance(exc, Cancelled)
-            and context.time_remaining() is not None
-            and context.time_remaining() <= 0
-        ):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        context.abort(code, str(exc))
-    except WireError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except EngineUnavailable as exc:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-    except MemoryError as exc:
-        context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"out of memory: {exc or 'allocation failed'}; use fewer points per call",
-        )
+    except (ServiceError, WireError, EngineUnavailable, MemoryError) as exc:
+        status = _status_of(exc, context)
+        assert status is not None
+        context.abort(*status)
+
+
+@contextlib.asynccontextmanager
+async def _translate_async(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """``_translate`` for the RPCs that run on the event loop."""
+    try:
+        yield
+    except (ServiceError, WireError, EngineUnavailable, MemoryError) as exc:
+        status = _status_of(exc, context)
+        assert status is not None
+        await context.abort(*status)
 
 
 #: Most result rows of a KnnCompact/RadiusCompact answer (about 1.5 MB of protobuf).
@@ -209,53 +230,59 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
-    def _knn(self, request: pb.KnnRequest, context: grpc.ServicerContext) -> NeighbourRows:
+    def _knn_args(self, request: pb.KnnRequest, context: Any) -> dict[str, Any]:
         lat, lon = points_from_message(request.queries)
-        return knn(
-            self.store.get(request.dataset),
-            lat,
-            lon,
-            int(request.k),
-            max_distance_m=request.max_distance_m if request.HasField("max_distance_m") else None,
-            columns=list(request.columns),
-            limits=self.limits,
-            batcher=self.batcher,
-            timeout_s=_time_left_s(context),
-        )
+        return {
+            "dataset": self.store.get(request.dataset),
+            "lat": lat,
+            "lon": lon,
+            "k": int(request.k),
+            "max_distance_m": (
+                request.max_distance_m if request.HasField("max_distance_m") else None
+            ),
+            "columns": list(request.columns),
+            "limits": self.limits,
+            "batcher": self.batcher,
+            "timeout_s": _time_left_s(context),
+        }
 
-    def _radius(self, request: pb.RadiusRequest, context: grpc.ServicerContext) -> NeighbourRows:
+    def _radius_args(self, request: pb.RadiusRequest, context: Any) -> dict[str, Any]:
         lat, lon = points_from_message(request.queries)
-        return radius(
-            self.store.get(request.dataset),
-            lat,
-            lon,
-            float(request.radius_m),
-            columns=list(request.columns),
-            limits=self.limits,
-            batcher=self.batcher,
-            timeout_s=_time_left_s(context),
-        )
+        return {
+            "dataset": self.store.get(request.dataset),
+            "lat": lat,
+            "lon": lon,
+            "radius_m": float(request.radius_m),
+            "columns": list(request.columns),
+            "limits": self.limits,
+            "batcher": self.batcher,
+            "timeout_s": _time_left_s(context),
+        }
 
+    # Knn and Radius stream Arrow tables of any size from a server thread; the compact
+    # forms answer small queries on the event loop, where batching costs no thread
+    # handoff per request (docs/benchmarks.md, "Small queries").
     def Knn(self, request, context):
         with _translate(context):
-            yield from table_to_messages(
-                self._knn(request, context).table(self.engine.earth_radius_m)
-            )
+            found = knn(**self._knn_args(request, context))
+            yield from table_to_messages(found.table(self.engine.earth_radius_m))
 
     def Radius(self, request, context):
         with _translate(context):
-            found = self._radius(request, context)
+            found = radius(**self._radius_args(request, context))
             yield from table_to_messages(found.table(self.engine.earth_radius_m))
 
-    def KnnCompact(self, request, context):
-        with _translate(context):
+    async def KnnCompact(self, request, context):
+        async with _translate_async(context):
             _refuse_columns(request, "KnnCompact", "Knn")
-            return self._compact(self._knn(request, context), "Knn")
+            found = await knn_async(**self._knn_args(request, context))
+            return self._compact(found, "Knn")
 
-    def RadiusCompact(self, request, context):
-        with _translate(context):
+    async def RadiusCompact(self, request, context):
+        async with _translate_async(context):
             _refuse_columns(request, "RadiusCompact", "Radius")
-            return self._compact(self._radius(request, context), "Radius")
+            found = await radius_async(**self._radius_args(request, context))
+            return self._compact(found, "Radius")
 
     def _compact(self, found: NeighbourRows, streaming_rpc: str) -> pb.CompactNeighbours:
         if found.count > COMPACT_MAX_ROWS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -96,5 +97,50 @@ def test_deadline_in_queue_leaves_the_batch_alone(index: KDTreeIndex) -> None:
     finally:
         batcher.close()
     np.testing.assert_array_equal(results["first"].indices, index.knn(lat[:1], lon[:1], 5).indices)
+    np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
+    assert batcher.requests == 2  # the expired request never reached the engine
+
+
+def test_requests_awaited_on_an_event_loop_batch_exactly(index: KDTreeIndex) -> None:
+    """The server's loop path: knn_async callers share engine calls, answers unchanged."""
+    batcher = Batcher(max_points=256, max_delay_us=2000)
+    lat, lon = uniform_points(300, seed=4)
+    ks = [1 + (i % 11) for i in range(300)]
+
+    async def all_of_them() -> list:
+        calls = [
+            batcher.knn_async(index, lat[i : i + 1], lon[i : i + 1], ks[i], None, 30.0)
+            for i in range(300)
+        ]
+        return await asyncio.gather(*calls)
+
+    try:
+        got = asyncio.run(all_of_them())
+    finally:
+        batcher.close()
+    assert batcher.batches < batcher.requests
+    for i, result in enumerate(got):
+        want = index.knn(lat[i : i + 1], lon[i : i + 1], ks[i])
+        np.testing.assert_array_equal(result.indices, want.indices)
+        np.testing.assert_array_equal(result.distances_m, want.distances_m)
+
+
+def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTreeIndex) -> None:
+    slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
+    batcher = Batcher(max_points=64, max_delay_us=0)
+    lat, lon = uniform_points(3, seed=1)
+
+    async def scenario() -> tuple:
+        first = asyncio.ensure_future(batcher.knn_async(slow, lat[:1], lon[:1], 5, None))
+        await asyncio.sleep(0.1)  # the dispatcher is now busy with the first request
+        with pytest.raises(QueueDeadlineExceeded):
+            await batcher.knn_async(slow, lat[1:2], lon[1:2], 5, None, timeout_s=0.05)
+        return await first, await batcher.knn_async(slow, lat[2:3], lon[2:3], 5, None, 30)
+
+    try:
+        first, after = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    np.testing.assert_array_equal(first.indices, index.knn(lat[:1], lon[:1], 5).indices)
     np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
     assert batcher.requests == 2  # the expired request never reached the engine

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from geonear.clients.cli import main
 from geonear.clients.client import Client
@@ -31,7 +31,7 @@ from geonear.clients.loadtest import add_loadtest_arguments, run_loadtest
 from geonear.clients.loadtest.results import check_consistent, decode_histograms
 from geonear.loaders.synthetic import uniform_points
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
-from geonear.service.server import create_server
+from geonear.service.server import EventLoopThread, LoopServer, create_server
 from geonear.service.servicer import GeoNearServicer
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
@@ -74,15 +74,15 @@ class _SlowEngine(CPUEngine):
         return _SlowIndex(lat, lon, self.earth_radius_m, self.workers)
 
 
-class _AuthorizationLog(grpc.ServerInterceptor):
+class _AuthorizationLog(grpc.aio.ServerInterceptor):
     """Keeps the authorization metadata of every call the server receives."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
         self.seen.update(v for k, v in details.invocation_metadata if k == "authorization")
-        return continuation(details)
+        return await continuation(details)
 
 
 @dataclass
@@ -98,17 +98,23 @@ def lt_slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_SlowSe
         host="127.0.0.1",
         port=0,
         backend="cpu",
-        max_workers=1,
+        batching=False,  # one request per engine call: the 20 ms cannot be shared
         data_dir=tmp_path_factory.mktemp("loadtest-slow"),
     )
     store = DatasetStore(_SlowEngine(), settings.data_dir)
     store.upload(DATASET, "create", _points_table(2_000, seed=2))
     log = _AuthorizationLog()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[log])
-    pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, "cpu"), server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    loop = EventLoopThread()
+    pool = futures.ThreadPoolExecutor(max_workers=1)
+    loop.loop.set_default_executor(pool)
+
+    async def make() -> grpc.aio.Server:
+        return grpc.aio.server(migration_thread_pool=pool, interceptors=[log])
+
+    server = LoopServer(loop, loop.run(make()), pool)
+    pb_grpc.add_GeoNearServicer_to_server(GeoNearServicer(store, settings, "cpu"), server.aio)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server.aio)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield _SlowServer(f"127.0.0.1:{port}", log)
