@@ -387,6 +387,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 # gRPC stopped reading: the client went away or its deadline passed.
                 code = _gone(context)
                 local.over.set()
+                # Stopped early, the generator still holds its work: end it on a thread.
+                # One that returned or raised is closed already.
+                await asyncio.get_running_loop().run_in_executor(None, responses.close)
                 raise
             except BaseException:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
@@ -394,7 +397,6 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 self.admission.leave()
                 self._finish(call, rpc, context, code)
-                await asyncio.get_running_loop().run_in_executor(None, responses.close)
 
         stream.__name__ = rpc
         return stream
