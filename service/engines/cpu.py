@@ -67,8 +67,7 @@ class KDTreeIndex(HostIndex):
         )
         idx = np.asarray(idx, dtype=np.int64).reshape(n_q, n_candidates)
         idx[idx >= self.n_points] = -1
-        found = self.exact_neighbours(lat, lon, idx, max_distance_m)
-        return self.cut_at_k(lat, lon, found, kk)
+        return self.nearest(lat, lon, idx, max_distance_m, kk)
 
     def candidates_within(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray

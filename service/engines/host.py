@@ -38,6 +38,14 @@ def flatten_candidates(found: Sequence[Any], n_queries: int) -> tuple[np.ndarray
     return np.repeat(np.arange(n_queries, dtype=np.int64), counts), rows
 
 
+def _ranked(candidates: np.ndarray, dist: np.ndarray, valid: np.ndarray) -> Neighbours:
+    """Candidates sorted by (exact distance, row); invalid ones last, as (inf, -1)."""
+    dist = np.where(valid, dist, np.inf)
+    idx = np.where(valid, candidates, -1).astype(np.int64, copy=False)
+    d, i = sort_neighbours(dist, idx)
+    return Neighbours(distances_m=d, indices=i)
+
+
 class HostIndex(PointIndex):
     """Points kept as float64 degrees plus unit vectors in host memory."""
 
@@ -60,6 +68,37 @@ class HostIndex(PointIndex):
         max_distance_m: float | None,
     ) -> Neighbours:
         """Great-circle distances of candidate rows (n, c; -1 = none), re-ranked exactly."""
+        dist, valid = self._candidate_distances(q_lat, q_lon, candidates, max_distance_m)
+        return _ranked(candidates, dist, valid)
+
+    def nearest(
+        self,
+        q_lat: np.ndarray,
+        q_lon: np.ndarray,
+        candidates: np.ndarray,
+        max_distance_m: float | None,
+        k: int,
+    ) -> Neighbours:
+        """The exact first k of a tree's k + 1 candidates per query (see ``cut_at_k``).
+
+        A tree returns candidates nearest first by its own metric. When all are valid
+        and their exact distances rise by more than _TIE_M from each to the next, that
+        order is already the (distance, row) order with no tie at the k-th, and the
+        re-ranking (most of the cost of a small query) is skipped.
+        """
+        dist, valid = self._candidate_distances(q_lat, q_lon, candidates, max_distance_m)
+        if valid.all() and (np.diff(dist, axis=-1) > _TIE_M).all():
+            return Neighbours(dist[:, :k].copy(), candidates[:, :k].astype(np.int64))
+        return self.cut_at_k(q_lat, q_lon, _ranked(candidates, dist, valid), k)
+
+    def _candidate_distances(
+        self,
+        q_lat: np.ndarray,
+        q_lon: np.ndarray,
+        candidates: np.ndarray,
+        max_distance_m: float | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Exact distances of candidate rows (-1 = none), and which are valid."""
         valid = candidates >= 0
         rows = np.where(valid, candidates, 0)
         dist = great_circle_m(
@@ -67,10 +106,7 @@ class HostIndex(PointIndex):
         )
         if max_distance_m is not None:
             valid &= dist <= max_distance_m
-        dist = np.where(valid, dist, np.inf)
-        idx = np.where(valid, candidates, -1).astype(np.int64, copy=False)
-        d, i = sort_neighbours(dist, idx)
-        return Neighbours(distances_m=d, indices=i)
+        return dist, valid
 
     def candidates_within(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray

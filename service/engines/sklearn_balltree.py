@@ -38,8 +38,7 @@ class BallTreeIndex(HostIndex):
             return Neighbours(np.full((n_q, kk), np.inf), np.full((n_q, kk), -1, np.int64))
         # One candidate more than asked shows whether the k-th ties with points beyond it.
         _, idx = self.tree.query(self._radians(lat, lon), k=min(kk + 1, self.n_points))
-        found = self.exact_neighbours(lat, lon, idx.astype(np.int64), max_distance_m)
-        return self.cut_at_k(lat, lon, found, kk)
+        return self.nearest(lat, lon, idx.astype(np.int64), max_distance_m, kk)
 
     def candidates_within(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray
