@@ -153,16 +153,19 @@ class Batcher:
     async def _submit_async(self, request: _Request, timeout_s: float | None) -> Any:
         if request.lat.shape[0] >= self.max_points:
             return await asyncio.to_thread(_run_alone, request)
-        request.awaited = answer = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        request.awaited = answer = loop.create_future()
         self._enqueue(request)
+        # One timer per request, not wait_for + shield: the path runs per small query.
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, request)
         try:
-            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
-        except TimeoutError:
-            if request.future.cancel():
-                raise QueueDeadlineExceeded(
-                    "the deadline passed while the request waited for a batch"
-                ) from None
-            return await answer  # it was already running: wait for it
+            return await answer
+        except asyncio.CancelledError:
+            request.future.cancel()  # the caller left: drop it from the queue if it waits
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _enqueue(self, request: _Request) -> None:
         with self._ready:
@@ -218,6 +221,15 @@ class Batcher:
 
     def _queued_points(self) -> int:
         return sum(r.lat.shape[0] for r in self._queue)
+
+
+def _expire(request: _Request) -> None:
+    """A request's deadline passed: fail it if it still waits in the queue."""
+    answer = request.awaited
+    if answer is not None and not answer.done() and request.future.cancel():
+        answer.set_exception(
+            QueueDeadlineExceeded("the deadline passed while the request waited for a batch")
+        )
 
 
 def _run_alone(request: _Request) -> Any:
