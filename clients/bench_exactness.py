@@ -21,7 +21,7 @@ from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m
 
 #: The exactness rule's tolerance, metres.
 TIE_M = 1e-3
-#: What float32 matrices are held to: their precision allows about 2-3 m at long range.
+#: What float32 matrices are held to: their precision allows about 3-4 m at long range.
 FLOAT32_MATRIX_TOLERANCE_M = 5.0
 #: k-means answers whose inertia differs from the cpu engine's by more than this fail.
 KMEANS_INERTIA_RTOL = 1e-6

@@ -399,7 +399,7 @@ class Client:
 
         Columns are the points of dataset ``name`` (in row order, or the rows of ``ids``
         in that order), or the points (``lat2``, ``lon2``). ``dtype`` float64 is exact;
-        float32 halves the bytes and carries up to about 3 m error at long range.
+        float32 halves the bytes and carries up to about 4 m error at long range.
         """
         if dtype not in ("float64", "float32"):
             raise ValueError(f"dtype must be float64 or float32, got {dtype!r}")
