@@ -144,3 +144,27 @@ def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTr
     np.testing.assert_array_equal(first.indices, index.knn(lat[:1], lon[:1], 5).indices)
     np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
     assert batcher.requests == 2  # the expired request never reached the engine
+
+
+def test_a_cancelled_awaited_request_never_reaches_the_engine(index: KDTreeIndex) -> None:
+    slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
+    batcher = Batcher(max_points=64, max_delay_us=0)
+    lat, lon = uniform_points(3, seed=4)
+
+    async def scenario() -> tuple:
+        first = asyncio.ensure_future(batcher.knn_async(slow, lat[:1], lon[:1], 5, None))
+        await asyncio.sleep(0.1)  # the dispatcher is now busy with the first request
+        left = asyncio.ensure_future(batcher.knn_async(slow, lat[1:2], lon[1:2], 5, None))
+        await asyncio.sleep(0.01)
+        left.cancel()  # its caller went away while it waited in the queue
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        return await first, await batcher.knn_async(slow, lat[2:3], lon[2:3], 5, None, 30)
+
+    try:
+        first, after = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    np.testing.assert_array_equal(first.indices, index.knn(lat[:1], lon[:1], 5).indices)
+    np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
+    assert batcher.requests == 2  # the cancelled request was dropped from the queue
