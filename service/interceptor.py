@@ -152,7 +152,9 @@ async def _in_thread(context: _ThreadContext, function: Callable[..., Any], *arg
         return await asyncio.shield(running)
     except asyncio.CancelledError:
         context.over.set()
-        with contextlib.suppress(BaseException):
+        # Not BaseException: a GeneratorExit (the loop closing this coroutine at
+        # shutdown) must end it, not be swallowed here.
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             await running
         raise
 

@@ -8,8 +8,10 @@ it; its restart is a plain ``geonear serve`` on the same data directory.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+import types
 from pathlib import Path
 
 import grpc
@@ -24,6 +26,7 @@ from geonear.loaders.synthetic import uniform_points
 from geonear.service.engines import gpu_memory
 from geonear.service.engines.base import DeviceLost, Neighbours
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
+from geonear.service.interceptor import _in_thread
 from geonear.service.lifecycle import EXIT_DEVICE_LOST
 from geonear.service.server import SERVICE_NAME, build_server
 from geonear.service.settings import ServerSettings
@@ -217,3 +220,22 @@ def test_sticky_cuda_errors_become_device_lost(text: str) -> None:
 )
 def test_errors_a_later_call_survives_are_not_device_lost(text: str) -> None:
     assert not gpu_memory.is_device_lost(RuntimeError(text))
+
+
+def test_a_thread_pool_call_closed_at_shutdown_ends_without_an_error() -> None:
+    """A cancelled call still waiting for its thread, closed when the loop goes away,
+    ends quietly (it used to raise its CancelledError from close: "Exception ignored")."""
+    context = types.SimpleNamespace(over=threading.Event())  # _in_thread reads only this
+    release = threading.Event()
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(_in_thread(context, release.wait))  # type: ignore[arg-type]
+        loop.run_until_complete(asyncio.sleep(0.05))
+        task.cancel()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert context.over.is_set()  # the handler was told it is over
+        assert not task.done()  # and the call waits for its thread to let go
+        task.get_coro().close()  # what a closing loop's garbage collection does
+    finally:
+        release.set()
+        loop.close()
