@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -125,16 +126,24 @@ def test_requests_awaited_on_an_event_loop_batch_exactly(index: KDTreeIndex) -> 
         np.testing.assert_array_equal(result.distances_m, want.distances_m)
 
 
-def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTreeIndex) -> None:
+def _around_a_waiting_request(
+    index: KDTreeIndex,
+    seed: int,
+    middle: Callable[[Batcher, SlowIndex, np.ndarray, np.ndarray], Awaitable[None]],
+) -> Batcher:
+    """A slow first request, ``middle`` while it runs, then a last one; returns the batcher.
+
+    ``middle`` gets the batcher, the slow index and the second query point (lat, lon).
+    The first and last answers are checked against the index.
+    """
     slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
     batcher = Batcher(max_points=64, max_delay_us=0)
-    lat, lon = uniform_points(3, seed=1)
+    lat, lon = uniform_points(3, seed=seed)
 
     async def scenario() -> tuple:
         first = asyncio.ensure_future(batcher.knn_async(slow, lat[:1], lon[:1], 5, None))
         await asyncio.sleep(0.1)  # the dispatcher is now busy with the first request
-        with pytest.raises(QueueDeadlineExceeded):
-            await batcher.knn_async(slow, lat[1:2], lon[1:2], 5, None, timeout_s=0.05)
+        await middle(batcher, slow, lat[1:2], lon[1:2])
         return await first, await batcher.knn_async(slow, lat[2:3], lon[2:3], 5, None, 30)
 
     try:
@@ -143,28 +152,25 @@ def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTr
         batcher.close()
     np.testing.assert_array_equal(first.indices, index.knn(lat[:1], lon[:1], 5).indices)
     np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
+    return batcher
+
+
+def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTreeIndex) -> None:
+    async def expires(batcher: Batcher, slow: SlowIndex, lat: np.ndarray, lon: np.ndarray) -> None:
+        with pytest.raises(QueueDeadlineExceeded):
+            await batcher.knn_async(slow, lat, lon, 5, None, timeout_s=0.05)
+
+    batcher = _around_a_waiting_request(index, 1, expires)
     assert batcher.requests == 2  # the expired request never reached the engine
 
 
 def test_a_cancelled_awaited_request_never_reaches_the_engine(index: KDTreeIndex) -> None:
-    slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
-    batcher = Batcher(max_points=64, max_delay_us=0)
-    lat, lon = uniform_points(3, seed=4)
-
-    async def scenario() -> tuple:
-        first = asyncio.ensure_future(batcher.knn_async(slow, lat[:1], lon[:1], 5, None))
-        await asyncio.sleep(0.1)  # the dispatcher is now busy with the first request
-        left = asyncio.ensure_future(batcher.knn_async(slow, lat[1:2], lon[1:2], 5, None))
+    async def leaves(batcher: Batcher, slow: SlowIndex, lat: np.ndarray, lon: np.ndarray) -> None:
+        waiting = asyncio.ensure_future(batcher.knn_async(slow, lat, lon, 5, None))
         await asyncio.sleep(0.01)
-        left.cancel()  # its caller went away while it waited in the queue
+        waiting.cancel()  # its caller went away while it waited in the queue
         with pytest.raises(asyncio.CancelledError):
-            await left
-        return await first, await batcher.knn_async(slow, lat[2:3], lon[2:3], 5, None, 30)
+            await waiting
 
-    try:
-        first, after = asyncio.run(scenario())
-    finally:
-        batcher.close()
-    np.testing.assert_array_equal(first.indices, index.knn(lat[:1], lon[:1], 5).indices)
-    np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
+    batcher = _around_a_waiting_request(index, 4, leaves)
     assert batcher.requests == 2  # the cancelled request was dropped from the queue
