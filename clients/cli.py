@@ -77,7 +77,11 @@ def _add_serve(sub: Any) -> None:
         help="wait for more requests after the first, µs (0: take what is queued)",
     )
     scale = p.add_argument_group("GPU memory and scale-out")
-    scale.add_argument("--gpu-pool-size-bytes", type=int, help="RMM pool (80%% of free memory)")
+    scale.add_argument(
+        "--gpu-pool-size-bytes",
+        type=int,
+        help="GPU pool size, also its limit (default half the free memory, growing)",
+    )
     scale.add_argument(
         "--managed-memory",
         action="store_true",

@@ -93,7 +93,10 @@ class ServerSettings(BaseSettings):
     demo: bool = Field(False, description="load the bundled airports and cities at start")
     # -- GPU memory (service/engines/gpu_memory.py) -----------------------------------
     gpu_pool_size_bytes: int | None = Field(
-        None, ge=0, description="RMM/CuPy pool reserved at start; None: 80% of free memory"
+        None,
+        ge=0,
+        description="RMM/CuPy pool reserved at start, also its limit; None: half the free "
+        "memory, growing",
     )
     managed_memory: bool = Field(
         False, description="managed (unified) memory pool for sets larger than the card; slower"

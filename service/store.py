@@ -273,6 +273,7 @@ class DatasetStore:
     def _build(self, name: str, version: int, table: pa.Table) -> DatasetVersion:
         table = table.combine_chunks()
         index = self.engine.build_index(column_numpy(table, "lat"), column_numpy(table, "lon"))
+        index.keep_columns(table.drop_columns(["lat", "lon"]))
         return DatasetVersion(
             name=name, version=version, table=table, index=index, engine=self.engine.name
         )

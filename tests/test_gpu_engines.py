@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from test_engine_parity import TIE_M, assert_same_neighbours
 
@@ -295,10 +296,16 @@ def test_cuml_kmeans_labels_each_point_with_its_nearest_centroid() -> None:
 
 # -- what the GPU engine reports -------------------------------------------------------
 def test_device_bytes_stay_within_the_budget_per_point(gpu: Engine) -> None:
+    from geonear.service.engines.gpu_table import cudf_available
+
     index = gpu.build_index(*UNIFORM)
-    per_point = index.device_bytes / UNIFORM[0].shape[0]
-    # 64 bytes per point with int64 ids (8 bytes, held with the dataset): 56 for the index
-    assert 24 <= per_point <= 56
+    n = UNIFORM[0].shape[0]
+    alone = index.device_bytes
+    assert 24 <= alone / n <= 56
+    index.keep_columns(pa.table({"id": np.arange(n, dtype=np.int64)}))
+    # 64 bytes a point with int64 ids, index included (the ids on the device with cuDF)
+    assert index.device_bytes - alone == (8 * n if cudf_available() else 0)
+    assert index.device_bytes / n <= 64
     used, total = gpu.memory_pool_bytes()
     assert 0 < used <= total
     assert gpu.describe_device().startswith("gpu: ")
@@ -337,3 +344,57 @@ def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:
 
     xyz, _ = unit_vectors_device(*UNIFORM)
     np.testing.assert_allclose(cupy.asnumpy(xyz), unit_vectors(*UNIFORM), rtol=0, atol=1e-15)
+
+
+# -- the device table (cuDF) -----------------------------------------------------------
+def _attribute_table(n: int) -> pa.Table:
+    rng = np.random.default_rng(5)
+    population = pa.array(rng.integers(0, 10**6, n), mask=rng.random(n) < 0.1)
+    return pa.table(
+        {
+            "id": np.arange(10**9, 10**9 + n, dtype=np.int64),
+            "name": pa.array([f"place {i}" for i in range(n)]),
+            "population": population,
+            "elevation_m": rng.normal(200.0, 50.0, n),
+            "coastal": rng.random(n) < 0.5,
+            "small": rng.integers(-100, 100, n).astype(np.int8),
+            "founded": pa.array(rng.integers(0, 2**40, n), type=pa.timestamp("ms")),
+            "kind": pa.array(rng.choice(["town", "city", "port"], n)).dictionary_encode(),
+        }
+    )
+
+
+def test_device_table_gathers_every_column_as_the_host_table_does() -> None:
+    from geonear.service.engines.gpu_table import DeviceTable, cudf_available
+
+    if not cudf_available():
+        pytest.skip("cuDF is not installed: datasets keep their columns on the host")
+    table = _attribute_table(5000)
+    device = DeviceTable.from_arrow(table)
+    assert device is not None
+    assert device.columns | set(device.host_only) == set(table.column_names)
+    assert {"id", "name", "population", "elevation_m", "coastal"} <= device.columns
+    assert device.nbytes >= 8 * table.num_rows
+    rows = np.random.default_rng(6).integers(0, table.num_rows, 20_000)
+    taken = device.take(table.column_names, rows)
+    assert set(taken) == device.columns
+    for name, column in taken.items():
+        expected = table.column(name).take(pa.array(rows))
+        assert column.type == expected.type, name
+        assert column.equals(expected), name
+
+
+def test_results_at_least_the_device_threshold_are_gathered_on_the_device(gpu: Engine) -> None:
+    from geonear.service.engines.gpu_table import DEVICE_TAKE_FROM, cudf_available
+
+    table = _attribute_table(3000)
+    index = gpu.build_index(*uniform_points(3000, seed=8))
+    index.keep_columns(table)
+    names = ["id", "name", "population"]
+    small = np.arange(10)
+    large = np.random.default_rng(9).integers(0, 3000, DEVICE_TAKE_FROM)
+    assert index.take_columns(names, small) == {}  # the host table is faster there
+    taken = index.take_columns(names, large)
+    assert (set(taken) == set(names)) == cudf_available()
+    for name, column in taken.items():
+        assert column.equals(table.column(name).take(pa.array(large))), name

@@ -14,10 +14,12 @@ than 1 mm, and distances within 1 mm of the reference's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
+import pyarrow as pa
 
 from geonear.service.geometry import EARTH_RADIUS_M
 
@@ -114,6 +116,21 @@ class PointIndex(ABC):
     def device_bytes(self) -> int:
         """Device memory held by the index (0 for host engines)."""
         return 0
+
+    def keep_columns(self, table: pa.Table) -> None:  # noqa: B027 - host engines keep none
+        """Hold the dataset's id and attribute columns where the queries run.
+
+        The GPU engine copies them to the device (a cuDF table) to gather large results
+        there; host engines read the dataset's own table, so they keep nothing.
+        """
+
+    def take_columns(self, names: Sequence[str], rows: np.ndarray) -> dict[str, pa.ChunkedArray]:
+        """The columns among ``names`` this index gathers itself at dataset ``rows``.
+
+        Columns missing from the answer are taken from the host table by the caller; the
+        answer is the same either way.
+        """
+        return {}
 
     @abstractmethod
     def knn(

@@ -11,7 +11,8 @@ Index (built once per dataset version, ``GPUIndex``):
 Building is one sort of the keys plus a few passes over the points. Leaves hold a fixed
 number of points, not a fixed volume, so the tree adapts to density: a city of a million
 points and an empty ocean cost the same number of levels (clustered data is where a
-uniform grid fails). About 53 bytes of device memory per point, index included.
+uniform grid fails). About 53 bytes of device memory per point, index included; with
+cuDF the ids and attributes are held there too (``gpu_table``: 8 more for int64 ids).
 
 Queries are sorted by the same key, so that neighbouring queries walk one region:
 
@@ -38,11 +39,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import cupy as cp
 import cupyx
 import numpy as np
+import pyarrow as pa
 
 from geonear.service.engines import gpu_memory
 from geonear.service.engines.base import (
@@ -54,6 +57,7 @@ from geonear.service.engines.base import (
     RadiusNeighbours,
 )
 from geonear.service.engines.gpu_kernels import SOURCE
+from geonear.service.engines.gpu_table import DEVICE_TAKE_FROM, DeviceTable
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
@@ -189,6 +193,7 @@ class GPUIndex(PointIndex):
         if n >= 2**31:
             raise ValueError(f"the GPU index holds at most 2**31 - 1 points, got {n}")
         self.n_points = n
+        self.table: DeviceTable | None = None  # ids and attributes, once kept
         lat_d, lon_d = _degrees_device(lat, lon)
         self.xyz = cp.empty((n, 3), dtype=cp.float64)
         self.points = cp.empty((n, 4), dtype=cp.float32)
@@ -266,7 +271,19 @@ class GPUIndex(PointIndex):
     @property
     def device_bytes(self) -> int:
         arrays = (self.xyz, self.points, self.rows, self.rank, self.box_lo, self.box_hi)
-        return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1))
+        table = 0 if self.table is None else self.table.nbytes
+        return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1) + table)
+
+    @gpu_memory.out_of_memory_guard("copying a dataset's columns to the GPU")
+    def keep_columns(self, table: pa.Table) -> None:
+        """Copy the id and attribute columns to the device as a cuDF table (with cuDF)."""
+        self.table = DeviceTable.from_arrow(table)
+
+    @gpu_memory.out_of_memory_guard("gathering result columns")
+    def take_columns(self, names: Sequence[str], rows: np.ndarray) -> dict[str, pa.ChunkedArray]:
+        if self.table is None or rows.shape[0] < DEVICE_TAKE_FROM:
+            return {}
+        return self.table.take(names, rows)
 
     def _by_position(self, weights: cp.ndarray | None) -> Any:
         """Per-row weights in index order, as a kernel argument (null for none)."""

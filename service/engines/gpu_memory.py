@@ -90,8 +90,9 @@ def initialise_pool(
     Parameters
     ----------
     pool_size_bytes : int, optional
-        Bytes to reserve at start; default ``DEFAULT_POOL_FRACTION`` of the free memory.
-        A request above the free memory is lowered to it, with a warning.
+        Bytes to reserve at start, and the pool's limit; by default
+        ``DEFAULT_POOL_FRACTION`` of the free memory, growing as needed. A request above
+        the free memory is lowered to it, with a warning.
     managed_memory : bool
         Use a managed (unified memory) pool; slower (pages migrate on demand), for sets
         larger than the card.
@@ -124,8 +125,12 @@ def initialise_pool(
         if rmm is not None:
             from rmm.allocators.cupy import rmm_cupy_allocator
 
+            # A size asked for is also the pool's limit, as for CuPy's pool below.
             rmm.reinitialize(
-                pool_allocator=True, managed_memory=managed_memory, initial_pool_size=size
+                pool_allocator=True,
+                managed_memory=managed_memory,
+                initial_pool_size=size,
+                maximum_pool_size=size if managed_memory or pool_size_bytes is not None else None,
             )
             # Counting adaptor on top of the pool: bytes in use, for ServerInfo.
             _statistics = rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
@@ -193,14 +198,12 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
     if isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
         return True
-    if isinstance(exc, cupy.cuda.runtime.CUDARuntimeError):
-        return "cudaErrorMemoryAllocation" in str(exc)
-    # RMM raises MemoryError itself ("std::bad_alloc: out_of_memory: RMM failure ...").
+    if isinstance(exc, MemoryError):  # RMM's ("std::bad_alloc: out_of_memory: ...")
+        return not isinstance(exc, DeviceOutOfMemory)
+    # CuPy's runtime errors, and libcudf's from cuDF calls, name the failure.
     text = str(exc)
-    return (
-        isinstance(exc, MemoryError)
-        and not isinstance(exc, DeviceOutOfMemory)
-        and ("out_of_memory" in text or "bad_alloc" in text or "RMM" in text)
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("cudaErrorMemoryAllocation", "out_of_memory", "out of memory")
     )
 
 
@@ -249,7 +252,7 @@ def translate_out_of_memory(what: str) -> Iterator[None]:
         raise DeviceOutOfMemory(
             f"GPU memory exhausted during {what} ({used / 2**30:.2f} of "
             f"{total / 2**30:.2f} GiB of the pool in use); use fewer points per call, "
-            "a larger --gpu-pool-size, or --managed-memory"
+            "a larger --gpu-pool-size-bytes, or --managed-memory"
         ) from exc
 
 

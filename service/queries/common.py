@@ -58,22 +58,34 @@ class NeighbourRows:
         return int(self.rows.shape[0])
 
     def ids(self) -> pa.Array | pa.ChunkedArray:
-        return self.dataset.table.column("id").take(pa.array(self.rows, type=pa.int64()))
+        return self._take(("id",))["id"]
 
     def table(self, earth_radius_m: float) -> pa.Table:
         """Result rows: query_index, rank, id, distance_m, then the requested attributes."""
-        take = pa.array(self.rows, type=pa.int64())
+        taken = self._take(("id", *self.columns))
         data = {
             "query_index": pa.array(self.query_index, type=pa.int64()),
             "rank": pa.array(self.rank, type=pa.int32()),
-            "id": self.dataset.table.column("id").take(take),
+            "id": taken["id"],
             "distance_m": pa.array(self.distances_m, type=pa.float64()),
         }
         for name in self.columns:
-            data[name] = self.dataset.table.column(name).take(take)
+            data[name] = taken[name]
         metadata = {
             "geonear.dataset": self.dataset.name,
             "geonear.version": str(self.dataset.version),
             "geonear.earth_radius_m": repr(earth_radius_m),
         }
         return pa.table(data).replace_schema_metadata(metadata)
+
+    def _take(self, names: tuple[str, ...]) -> dict[str, pa.Array | pa.ChunkedArray]:
+        """Columns ``names`` at the result rows: where the index holds them, else the host."""
+        taken: dict[str, pa.Array | pa.ChunkedArray] = dict(
+            self.dataset.index.take_columns(names, self.rows)
+        )
+        rest = [name for name in names if name not in taken]
+        if rest:
+            rows = pa.array(self.rows, type=pa.int64())
+            for name in rest:
+                taken[name] = self.dataset.table.column(name).take(rows)
+        return taken

@@ -1,0 +1,115 @@
+"""A dataset's ids and attributes on the device: a cuDF table beside the GPU index.
+
+With cuDF installed the GPU engine copies the id and attribute columns to the device once,
+when a dataset version is built (``DeviceTable.from_arrow``). A large result gathers its
+rows there and comes back as one Arrow table (``take``), instead of pyarrow's single-thread
+``take`` over the host table. Small results (fewer than ``DEVICE_TAKE_FROM`` rows) are
+taken from the host table: there a cuDF call costs more than the gather.
+
+The host Arrow table stays the dataset's record (persistence, GetDataset, uploads that
+append), so answers never depend on where the rows were gathered: a column whose Arrow
+type does not survive the round trip through cuDF unchanged (checked when the table is
+built: dictionary columns come back with other index types, for example) is left out of
+the device table and gathered on the host.
+
+cuDF is imported here only, when the GPU engine first keeps a table (or a test asks
+``cudf_available``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+log = logging.getLogger("geonear.gpu")
+
+#: Results of at least this many rows are gathered on the device.
+DEVICE_TAKE_FROM = 65_536
+#: Rows round-tripped through cuDF to check that every column keeps its type and values.
+_CHECK_ROWS = 256
+
+
+_cudf: Any = None  # the cudf module once probed; False when it is missing
+
+
+def cudf_available() -> bool:
+    """Whether cuDF imports here (probed once)."""
+    global _cudf
+    if _cudf is None:
+        try:
+            import cudf
+
+            _cudf = cudf
+        except ImportError:
+            _cudf = False
+    return _cudf is not False
+
+
+class DeviceTable:
+    """Columns of a dataset version held on the device, in row order.
+
+    Attributes
+    ----------
+    columns : frozenset of str
+        The columns on the device; the rest of the host table is gathered on the host.
+    host_only : tuple of str
+        Columns left on the host because cuDF would change their type or values.
+    nbytes : int
+        Device memory of the columns.
+    """
+
+    def __init__(self, frame: Any, types: dict[str, pa.DataType], host_only: tuple[str, ...]):
+        self._frame = frame
+        self._types = types
+        self.columns = frozenset(types)
+        self.host_only = host_only
+        self.nbytes = int(frame.memory_usage(index=False).sum()) if types else 0
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table) -> DeviceTable | None:
+        """The columns of ``table`` cuDF holds unchanged; None without cuDF or columns."""
+        if not cudf_available() or table.num_columns == 0:
+            return None
+        frame = _cudf.DataFrame.from_arrow(table)
+        check = frame.head(_CHECK_ROWS).to_arrow(preserve_index=False)
+        expected = table.slice(0, _CHECK_ROWS)
+        types, host_only = {}, []
+        for field in table.schema:
+            back = check.column(field.name)
+            if back.type != field.type:
+                try:
+                    back = back.cast(field.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    back = None
+            if back is not None and back.equals(expected.column(field.name)):
+                types[field.name] = field.type
+            else:
+                host_only.append(field.name)
+        if host_only:
+            log.info("columns kept on the host (cuDF would change them): %s", host_only)
+            frame = frame.drop(columns=host_only)
+        return cls(frame, types, tuple(host_only))
+
+    def take(self, names: Sequence[str], rows: np.ndarray) -> dict[str, pa.ChunkedArray]:
+        """The device columns among ``names`` at dataset rows ``rows`` (int64), as Arrow.
+
+        One gather on the device and one copy back; columns keep the host table's types.
+        """
+        on_device = [n for n in names if n in self.columns]
+        if not on_device:
+            return {}
+        import cupy
+
+        taken = self._frame[on_device].take(cupy.asarray(rows, dtype=cupy.int64))
+        result = taken.to_arrow(preserve_index=False)
+        out = {}
+        for name in on_device:
+            column = result.column(name)
+            if column.type != self._types[name]:
+                column = column.cast(self._types[name])
+            out[name] = column
+        return out
