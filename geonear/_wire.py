@@ -1,8 +1,10 @@
 """Arrow and protobuf on the wire, shared by the server and the client.
 
 Bulk data travels as Arrow IPC inside messages: the serialized schema once, then
-encapsulated record batches, each with its row count. Small query point sets travel
-inline as repeated doubles, which costs less than Arrow's fixed overhead.
+encapsulated record batches, each with its row count. The stream carries no dictionary
+batches, so a dictionary-encoded column (a pandas categorical, say) travels as its values.
+Small query point sets travel inline as repeated doubles, which costs less than Arrow's
+fixed overhead.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class WireError(ValueError):
 def table_to_messages(table: pa.Table, batch_bytes: int = BATCH_BYTES) -> Iterator[pb.ArrowData]:
     """Arrow table as ArrowData messages: schema in the first, then batches of bounded size.
 
-    An empty table still yields one message carrying the schema.
+    An empty table still yields one message carrying the schema. Dictionary columns are
+    sent decoded, as their value type.
     """
+    table = _decode_dictionaries(table)
     schema_bytes = table.schema.serialize().to_pybytes()
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     rows_per_batch = max(1, batch_bytes // row_bytes)
@@ -46,6 +50,14 @@ def table_to_messages(table: pa.Table, batch_bytes: int = BATCH_BYTES) -> Iterat
         yield pb.ArrowData(schema=schema_bytes)
 
 
+def _decode_dictionaries(table: pa.Table) -> pa.Table:
+    for i, field in enumerate(table.schema):
+        if pa.types.is_dictionary(field.type):
+            values = table.column(i).cast(field.type.value_type)
+            table = table.set_column(i, field.with_type(field.type.value_type), values)
+    return table
+
+
 class BatchDecoder:
     """Decodes a stream of ArrowData messages, validating each batch against the schema."""
 
@@ -61,6 +73,13 @@ class BatchDecoder:
                 self.schema = pa.ipc.read_schema(pa.py_buffer(data.schema))
             except (pa.ArrowException, ValueError, OSError) as exc:
                 raise WireError(f"invalid Arrow schema bytes: {exc}") from exc
+            encoded = [f.name for f in self.schema if pa.types.is_dictionary(f.type)]
+            if encoded:
+                raise WireError(
+                    f"dictionary-encoded column(s) {', '.join(map(repr, encoded))}: the "
+                    "stream carries no dictionary batches, so send their values instead "
+                    "(the Python client decodes them itself)"
+                )
         if not data.record_batch:
             return None
         if self.schema is None:

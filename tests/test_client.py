@@ -125,6 +125,16 @@ def test_upload_a_dataframe(client, frame) -> None:
     assert client.info("pts") == info
 
 
+def test_categorical_and_dictionary_columns_travel_as_their_values(client, frame) -> None:
+    frame = frame.assign(label=frame["label"].astype("category"))
+    info = client.upload("pts", frame, lat="latitude", lon="longitude")
+    assert {c.name: c.arrow_type for c in info.columns}["label"] in ("string", "large_string")
+    found = client.knn("pts", frame["latitude"][:3], frame["longitude"][:3], k=1, columns=["label"])
+    assert found["label"].tolist() == frame["label"][:3].astype(str).tolist()
+    table = pa.table({"lat": [1.0], "lon": [2.0], "kind": pa.array(["port"]).dictionary_encode()})
+    assert client.upload("t", table).rows == 1
+
+
 def test_upload_a_pyarrow_table_and_a_record_batch(client) -> None:
     table = pa.table({"id": ["a", "b", "c"], "lat": [1.0, 2.0, 3.0], "lon": [4.0, 5.0, 6.0]})
     assert client.upload("t", table).id_type == "string"

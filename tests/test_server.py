@@ -862,6 +862,15 @@ BAD_INPUTS: dict[
         lambda s: lambda: s.Upload(_schema_only_and_garbage_batch()),
         ("invalid Arrow record batch",),
     ),
+    "dictionary-encoded column in an upload's schema": (
+        Code.INVALID_ARGUMENT,
+        lambda s: _upload(
+            s,
+            pa.table({"lat": [0.0], "lon": [0.0], "kind": pa.array(["a"]).dictionary_encode()}),
+            batch_rows=1,  # the raw schema, as a client other than geonear's would send it
+        ),
+        ("dictionary-encoded", "'kind'", "send their values"),
+    ),
     "record batch before any schema": (
         Code.INVALID_ARGUMENT,
         lambda s: (
