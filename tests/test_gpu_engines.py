@@ -394,6 +394,7 @@ def test_results_at_least_the_device_threshold_are_gathered_on_the_device(gpu: E
     small = np.arange(10)
     large = np.random.default_rng(9).integers(0, 3000, DEVICE_TAKE_FROM)
     assert index.take_columns(names, small) == {}  # the host table is faster there
+    assert index.take_columns(["id"], large) == {}  # and for the ids alone
     taken = index.take_columns(names, large)
     assert (set(taken) == set(names)) == cudf_available()
     for name, column in taken.items():

@@ -68,7 +68,7 @@ def test_the_gpu_server_answers_as_the_cpu_server_with_attributes(
     gpu_target, server_factory, airports_table
 ) -> None:
     places = _places(200_000, seed=41)
-    lat, lon = uniform_points(30_000, seed=42)
+    lat, lon = uniform_points(100_000, seed=42)
     columns = ["name", "population", "kind"]
     cpu = server_factory(data_dir=None)
     with Client(gpu_target, timeout_s=120) as on_gpu, Client(cpu.target, timeout_s=120) as on_cpu:
@@ -83,10 +83,10 @@ def test_the_gpu_server_answers_as_the_cpu_server_with_attributes(
         else:  # the index alone
             assert 24 < per_point < 56
         for name, cols in (("places", columns), ("airports", ["name", "country"])):
-            # 90,000 result rows: gathered on the device
+            # 300,000 result rows with attributes: gathered on the device
             got = on_gpu.knn(name, lat, lon, k=3, columns=cols, as_arrow=True)
             _same_rows(got, on_cpu.knn(name, lat, lon, k=3, columns=cols, as_arrow=True))
-            few = lat[:3000], lon[:3000]  # about 28 points each in places: 84,000 rows
+            few = lat[:10_000], lon[:10_000]  # about 28 points each in places: 280,000 rows
             got = on_gpu.radius(name, *few, 150_000.0, columns=cols, as_arrow=True)
             _same_rows(got, on_cpu.radius(name, *few, 150_000.0, columns=cols, as_arrow=True))
         on_gpu.drop("places")
