@@ -169,3 +169,38 @@ def test_chord_order_is_great_circle_order() -> None:
     chords = np.linalg.norm(unit_vectors(lat, lon) - q, axis=1)
     d = great_circle_m(12.0, 34.0, lat, lon)
     np.testing.assert_array_equal(np.argsort(chords), np.argsort(d))
+
+
+def _matrix_angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The GPU float64 matrix kernel's angle, in NumPy: the chord form with its polynomial."""
+    from geonear.service.engines.gpu_kernels import CHORD_ANGLE_POLYNOMIAL
+
+    dot = np.sum(a * b, axis=-1)
+    near = dot >= 0.0
+    d = np.where(near[..., None], a - b, a + b)
+    u = np.sum(d * d, axis=-1)
+    angle = np.sqrt(u) * np.polynomial.polynomial.polyval(u - 1.0, CHORD_ANGLE_POLYNOMIAL)
+    return np.where(near, angle, np.pi - angle)
+
+
+def test_the_gpu_matrix_polynomial_is_asin_to_a_few_ulps() -> None:
+    from geonear.service.engines.gpu_kernels import CHORD_ANGLE_POLYNOMIAL
+
+    u = np.linspace(0.0, 2.0, 1_000_001)
+    got = np.sqrt(u) * np.polynomial.polynomial.polyval(u - 1.0, CHORD_ANGLE_POLYNOMIAL)
+    np.testing.assert_allclose(got, 2 * np.arcsin(np.sqrt(u) / 2), rtol=0, atol=2e-15)
+
+
+def test_the_gpu_matrix_angle_is_within_a_micrometre_of_the_reference() -> None:
+    lat, lon = uniform_points(200_000, seed=12)
+    a, b = unit_vectors(lat[:100_000], lon[:100_000]), unit_vectors(lat[100_000:], lon[100_000:])
+    pairs = {
+        "random": (a, b),
+        "same point": (a, a),
+        "antipodes": (a, -a),
+        "a metre apart": (a, unit_vectors(lat[:100_000] + 9e-6, lon[:100_000])),
+    }
+    for name, (p, q) in pairs.items():
+        expected = angle_between(p, q)
+        np.testing.assert_allclose(_matrix_angle(p, q), expected, rtol=0, atol=1e-13, err_msg=name)
+    assert np.all(_matrix_angle(a, a) == 0.0)
