@@ -13,8 +13,7 @@ of at least ``DEVICE_TAKE_FROM`` rows that ask for attributes; the rest use the 
 The host Arrow table stays the dataset's record (persistence, GetDataset, uploads that
 append), so answers never depend on where the rows were gathered: a column whose Arrow
 type does not survive the round trip through cuDF unchanged (checked when the table is
-built: dictionary columns come back with other index types, for example) is left out of
-the device table and gathered on the host.
+built on a sample of rows) is left out of the device table and gathered on the host.
 
 cuDF is imported here only, when the GPU engine first keeps a table (or a test asks
 ``cudf_available``).
