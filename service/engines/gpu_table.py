@@ -4,11 +4,12 @@ With cuDF installed the GPU engine copies the id and attribute columns to the de
 when a dataset version is built (``DeviceTable.from_arrow``). A large result with attribute
 columns gathers its rows there and comes back as one Arrow table (``take``), instead of
 pyarrow's single-thread ``take`` over the host table. Measured on an H200 (1M-row table,
-int64 id, a string and an int64 attribute): the three columns at 262,144 rows took 5.7 ms
-on the device and 12.0 ms on the host, and half the host's time from there up to 10M rows;
-but a cuDF call costs about 2.5 ms whatever its size, and the ids alone were faster on the
-host up to several million rows (4.3 against 5.8 ms at 1M). So the device gathers results
-of at least ``DEVICE_TAKE_FROM`` rows that ask for attributes; the rest use the host table.
+int64 id, a string and an int64 attribute; docs/benchmarks.md): the three columns at
+262,144 rows took 4.4 ms on the device and 7.3 ms on the host, and 171 against 304 ms at
+10M rows; but a cuDF call costs 1.5-2.5 ms whatever its size, and the ids alone were
+faster on the host up to several million rows (3.5 against 4.4 ms at 1M). So the device
+gathers results of at least ``DEVICE_TAKE_FROM`` rows that ask for attributes; the rest
+use the host table.
 
 The host Arrow table stays the dataset's record (persistence, GetDataset, uploads that
 append), so answers never depend on where the rows were gathered: a column whose Arrow
