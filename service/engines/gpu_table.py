@@ -41,7 +41,7 @@ _cudf: Any = None  # the cudf module once probed; False when it is missing
 
 
 def cudf_available() -> bool:
-    """Whether cuDF imports here (probed once)."""
+    """Whether cuDF imports here (probed once; a broken install is logged, not raised)."""
     global _cudf
     if _cudf is None:
         try:
@@ -49,6 +49,9 @@ def cudf_available() -> bool:
 
             _cudf = cudf
         except ImportError:
+            _cudf = False
+        except Exception as exc:  # a CUDA or library mismatch fails in many ways
+            log.warning("cuDF cannot be used (%s): ids and attributes stay on the host", exc)
             _cudf = False
     return _cudf is not False
 
