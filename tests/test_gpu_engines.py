@@ -399,3 +399,33 @@ def test_results_at_least_the_device_threshold_are_gathered_on_the_device(gpu: E
     assert (set(taken) == set(names)) == cudf_available()
     for name, column in taken.items():
         assert column.equals(table.column(name).take(pa.array(large))), name
+
+
+def test_columns_cudf_cannot_hold_stay_on_the_host() -> None:
+    import datetime
+    import decimal
+
+    from geonear.service.engines.gpu_table import DeviceTable, cudf_available
+
+    if not cudf_available():
+        pytest.skip("cuDF is not installed: datasets keep their columns on the host")
+    n = 1000
+    table = pa.table(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "when": pa.array(np.arange(n) * 10**9, type=pa.timestamp("ns", tz="Europe/Paris")),
+            "price": pa.array([decimal.Decimal(i) / 100 for i in range(n)], pa.decimal128(10, 2)),
+            "tags": pa.array([["a", "b"][: i % 3] for i in range(n)]),
+            "pair": pa.array([{"x": i, "y": str(i)} for i in range(n)]),
+            "nothing": pa.nulls(n),
+            "day": pa.array([datetime.date(2020, 1, 1 + i % 28) for i in range(n)]),
+            "blob": pa.array([bytes([i % 256]) for i in range(n)]),
+            "label": pa.array([f"p{i}" for i in range(n)], type=pa.large_string()),
+        }
+    )
+    device = DeviceTable.from_arrow(table)
+    assert device is not None and "id" in device.columns
+    assert device.columns | set(device.host_only) == set(table.column_names)
+    rows = np.random.default_rng(3).integers(0, n, 5000)
+    for name, column in device.take(table.column_names, rows).items():
+        assert column.equals(table.column(name).take(pa.array(rows))), name

@@ -78,28 +78,27 @@ class DeviceTable:
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> DeviceTable | None:
-        """The columns of ``table`` cuDF holds unchanged; None without cuDF or columns."""
+        """The columns of ``table`` cuDF holds unchanged; None without cuDF or columns.
+
+        A column cuDF cannot hold (a type it lacks) or would change stays on the host;
+        running out of device memory is raised (the upload fails, RESOURCE_EXHAUSTED).
+        """
         if not cudf_available() or table.num_columns == 0:
             return None
-        frame = _cudf.DataFrame.from_arrow(table)
-        check = frame.head(_CHECK_ROWS).to_arrow(preserve_index=False)
+        frame, host_only = _to_device(table)
         expected = table.slice(0, _CHECK_ROWS)
-        types, host_only = {}, []
-        for field in table.schema:
-            back = check.column(field.name)
-            if back.type != field.type:
-                try:
-                    back = back.cast(field.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                    back = None
-            if back is not None and back.equals(expected.column(field.name)):
-                types[field.name] = field.type
+        types = {}
+        for name in frame.columns if frame is not None else ():
+            field = table.schema.field(name)
+            if _round_trips(frame[[name]].head(_CHECK_ROWS), field, expected.column(name)):
+                types[name] = field.type
             else:
-                host_only.append(field.name)
+                host_only.append(name)
         if host_only:
             log.info("columns kept on the host (cuDF would change them): %s", host_only)
-            frame = frame.drop(columns=host_only)
-        return cls(frame, types, tuple(host_only))
+        if not types:
+            return None
+        return cls(frame[list(types)], types, tuple(host_only))
 
     def take(self, names: Sequence[str], rows: np.ndarray) -> dict[str, pa.ChunkedArray]:
         """The device columns among ``names`` at dataset rows ``rows`` (int64), as Arrow.
@@ -120,3 +119,35 @@ class DeviceTable:
                 column = column.cast(self._types[name])
             out[name] = column
         return out
+
+
+def _to_device(table: pa.Table) -> tuple[Any, list[str]]:
+    """(cuDF frame of the columns cuDF takes, or None; names of those it refused)."""
+    try:
+        return _cudf.DataFrame.from_arrow(table), []
+    except MemoryError:
+        raise
+    except Exception:  # a type cuDF lacks: take the columns one by one
+        pass
+    columns, refused = {}, []
+    for name in table.column_names:
+        try:
+            columns[name] = _cudf.DataFrame.from_arrow(table.select([name]))[name]
+        except MemoryError:
+            raise
+        except Exception:
+            refused.append(name)
+    return (_cudf.DataFrame(columns) if columns else None), refused
+
+
+def _round_trips(head: Any, field: pa.Field, expected: pa.ChunkedArray) -> bool:
+    """Whether a column's first rows come back from cuDF with the host's type and values."""
+    try:
+        back = head.to_arrow(preserve_index=False).column(field.name)
+        if back.type != field.type:
+            back = back.cast(field.type)
+    except MemoryError:
+        raise
+    except Exception:
+        return False
+    return bool(back.equals(expected))
