@@ -117,6 +117,34 @@ def test_knn_of_many_queries_is_the_same_in_any_order(gpu: Engine) -> None:
     np.testing.assert_array_equal(few.indices, whole.indices[:10])
 
 
+# Each point 10 times over: the k best are decided by row among equal distances.
+_BASE = uniform_points(2000, seed=34)
+DUPLICATES = (np.repeat(_BASE[0], 10), np.repeat(_BASE[1], 10))
+
+
+@pytest.mark.parametrize("leaf_size", [8, 16])
+@pytest.mark.parametrize("data", [*SETS, "duplicates"])
+def test_index_of_any_leaf_size_gives_the_reference_answers(
+    reference: Engine, data: str, leaf_size: int
+) -> None:
+    from geonear.service.engines.gpu import GPUEngine
+
+    if data == "duplicates":
+        points, queries = DUPLICATES, (_BASE[0][:2500], _BASE[1][:2500] + 0.0001)
+    else:
+        points, queries = SETS[data][0], _queries(data, 3000)
+    got_index = GPUEngine(leaf_size=leaf_size).build_index(*points)
+    want_index = reference.build_index(*points)
+    for k in (1, 10, 33):
+        got, want = got_index.knn(*queries, k), want_index.knn(*queries, k)
+        assert_same_neighbours(got, want, queries=queries, points=points)
+    bound = float(np.median(want.distances_m[:, 5]))
+    got = got_index.knn(*queries, 10, max_distance_m=bound)
+    want = want_index.knn(*queries, 10, max_distance_m=bound)
+    assert (want.indices < 0).any()
+    assert_same_neighbours(got, want, queries=queries, points=points)
+
+
 # -- radius ----------------------------------------------------------------------------
 @pytest.mark.parametrize("data", SETS)
 @pytest.mark.parametrize("radius_m", [0.0, 3_000.0, 60_000.0, 1_500_000.0])
@@ -342,8 +370,11 @@ def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:
 
     from geonear.service.engines.gpu import unit_vectors_device
 
-    xyz, _ = unit_vectors_device(*UNIFORM)
+    xyz = unit_vectors_device(*UNIFORM)
     np.testing.assert_allclose(cupy.asnumpy(xyz), unit_vectors(*UNIFORM), rtol=0, atol=1e-15)
+    order = np.random.default_rng(3).permutation(UNIFORM[0].shape[0])[:500]
+    in_order = unit_vectors_device(*UNIFORM, cupy.asarray(order))
+    np.testing.assert_array_equal(cupy.asnumpy(in_order), cupy.asnumpy(xyz)[order])
 
 
 # -- the device table (cuDF) -----------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Index (built once per dataset version, ``GPUIndex``):
 
-- the float64 unit vectors of the points sorted by a 63-bit Morton key (``xyz``, (n, 3)),
+- the float64 unit vectors of the points sorted by a Hilbert key (the cube face a point
+  projects onto, then a 2-D Hilbert curve over the face) (``xyz``, (n, 3)),
   the same in float32 with each point's row (``points``, (n, 4)), the rows (``rows``)
   and each row's position (``rank``), int32;
 - an implicit tree over the sorted points: leaves of ``leaf_size`` consecutive points and
@@ -137,43 +138,52 @@ def _degrees_device(lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.nd
 
 
 def unit_vectors_device(
-    lat: np.ndarray, lon: np.ndarray, with_keys: bool = False
-) -> tuple[cp.ndarray, cp.ndarray | None]:
-    """Float64 unit vectors (n, 3) on the device of points in degrees, and their keys.
+    lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarray, order: cp.ndarray | None = None
+) -> cp.ndarray:
+    """Float64 unit vectors (n, 3) on the device of points in degrees (host or device).
 
-    Parameters
-    ----------
-    lat, lon : array of float64, shape (n,)
-        Degrees, host or device.
-    with_keys : bool
-        Also return the uint64 Morton keys (n,) that order the index.
+    With ``order`` (int64 rows), the vectors of rows ``order[0]``, ``order[1]``, ... .
     """
     lat_d, lon_d = _degrees_device(lat, lon)
-    n = int(lat_d.shape[0])
+    n = int(lat_d.shape[0]) if order is None else int(order.shape[0])
     xyz = cp.empty((n, 3), dtype=cp.float64)
-    keys = cp.empty(n, dtype=cp.uint64) if with_keys else None
     if n:
-        _fn("unit_vectors_and_keys")(
+        _fn("unit_vectors")(
             (_blocks(n),),
             (_THREADS,),
-            (lat_d, lon_d, np.int64(n), xyz, _NULL if keys is None else keys),
+            (lat_d, lon_d, _NULL if order is None else order, np.int64(n), xyz),
         )
-    return xyz, keys
+    return xyz
+
+
+def _index_keys(lat_d: cp.ndarray, lon_d: cp.ndarray) -> cp.ndarray:
+    """The uint64 Hilbert keys that order the index, of device degrees."""
+    n = int(lat_d.shape[0])
+    keys = cp.empty(n, dtype=cp.uint64)
+    if n:
+        _fn("index_keys")((_blocks(n),), (_THREADS,), (lat_d, lon_d, np.int64(n), keys))
+    return keys
 
 
 class _Queries:
-    """Query unit vectors in search order: sorted by key when there are many."""
+    """Query unit vectors in search order: sorted by the index's key when there are many.
+
+    ``sorted_xyz[i]`` is query ``order[i]``; ``xyz`` is in the order given.
+    """
 
     def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
-        n = int(np.shape(lat)[0])
-        self.n = n
-        self.xyz, keys = unit_vectors_device(lat, lon, with_keys=n >= SORT_QUERIES_FROM)
-        if keys is None:
+        self._lat, self._lon = _degrees_device(lat, lon)
+        self.n = n = int(self._lat.shape[0])
+        if n < SORT_QUERIES_FROM:
             self.order = cp.arange(n, dtype=cp.int64)
-            self.sorted_xyz = self.xyz
+            self.sorted_xyz = unit_vectors_device(self._lat, self._lon)
         else:
-            self.order = cp.argsort(keys)
-            self.sorted_xyz = cp.ascontiguousarray(self.xyz[self.order])
+            self.order = cp.argsort(_index_keys(self._lat, self._lon))
+            self.sorted_xyz = unit_vectors_device(self._lat, self._lon, self.order)
+
+    @property
+    def xyz(self) -> cp.ndarray:
+        return unit_vectors_device(self._lat, self._lon)
 
 
 def _chord_sq_bound(distance_m: float, earth_radius_m: float) -> float:
@@ -185,7 +195,11 @@ class GPUIndex(PointIndex):
     """A dataset version's points and spatial index on the device (see the module doc)."""
 
     def __init__(
-        self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float, leaf_size: int = LEAF_SIZE
+        self,
+        lat: np.ndarray,
+        lon: np.ndarray,
+        earth_radius_m: float,
+        leaf_size: int = LEAF_SIZE,
     ) -> None:
         self.earth_radius_m = float(earth_radius_m)
         self.leaf_size = int(leaf_size)
@@ -213,10 +227,7 @@ class GPUIndex(PointIndex):
         self.top_level = len(counts) - 1
         if n == 0:
             return
-        keys = cp.empty(n, dtype=cp.uint64)
-        _fn("morton_keys")((_blocks(n),), (_THREADS,), (lat_d, lon_d, np.int64(n), keys))
-        order = cp.argsort(keys)
-        del keys
+        order = cp.argsort(_index_keys(lat_d, lon_d))
         fused_leaves = self.leaf_size == _FUSED_LEAF_SIZE
         _fn("pack_points")(
             (_blocks(n),),
@@ -361,9 +372,10 @@ class GPUIndex(PointIndex):
         out_idx = cp.empty((queries.n, k), dtype=cp.int64)
         out_dist = cp.empty((queries.n, k), dtype=cp.float64)
         step = max(1, _BLOCK_ELEMENTS // self.n_points)
+        xyz = queries.xyz
         for start in range(0, queries.n, step):
             stop = min(queries.n, start + step)
-            d = _matrix_device(queries.xyz[start:stop], self.xyz, self.earth_radius_m)
+            d = _matrix_device(xyz[start:stop], self.xyz, self.earth_radius_m)
             d = d[:, self.rank]
             order = cp.argsort(d, axis=1)[:, :k]
             dist = cp.take_along_axis(d, order, axis=1)
@@ -670,8 +682,8 @@ class GPUEngine(Engine):
         out = np.empty((m, n), dtype=np_dtype)
         if m == 0 or n == 0:
             return out
-        a = unit_vectors_device(lat1, lon1)[0].astype(np_dtype, copy=False)
-        b = unit_vectors_device(lat2, lon2)[0].astype(np_dtype, copy=False)
+        a = unit_vectors_device(lat1, lon1).astype(np_dtype, copy=False)
+        b = unit_vectors_device(lat2, lon2).astype(np_dtype, copy=False)
         step = max(1, _MATRIX_TILE_BYTES // (n * np_dtype.itemsize))
         tile = cp.empty((min(step, m), n), dtype=np_dtype)
         for start in range(0, m, step):
@@ -694,8 +706,8 @@ class GPUEngine(Engine):
         float64 is exact to the reference's 1 mm.
         """
         np_dtype = np.dtype(dtype)
-        a = unit_vectors_device(lat1, lon1)[0].astype(np_dtype, copy=False)
-        b = unit_vectors_device(lat2, lon2)[0].astype(np_dtype, copy=False)
+        a = unit_vectors_device(lat1, lon1).astype(np_dtype, copy=False)
+        b = unit_vectors_device(lat2, lon2).astype(np_dtype, copy=False)
         return _matrix_device(a, b, self.earth_radius_m)
 
     def warm_up(self) -> None:
