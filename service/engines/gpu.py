@@ -168,7 +168,7 @@ def _index_keys(lat_d: cp.ndarray, lon_d: cp.ndarray) -> cp.ndarray:
 class _Queries:
     """Query unit vectors in search order: sorted by the index's key when there are many.
 
-    ``sorted_xyz[i]`` is query ``order[i]``; ``xyz`` is in the order given.
+    ``sorted_xyz[i]`` is query ``order[i]``; ``xyz_as_given()`` keeps the order given.
     """
 
     def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
@@ -181,8 +181,7 @@ class _Queries:
             self.order = cp.argsort(_index_keys(self._lat, self._lon))
             self.sorted_xyz = unit_vectors_device(self._lat, self._lon, self.order)
 
-    @property
-    def xyz(self) -> cp.ndarray:
+    def xyz_as_given(self) -> cp.ndarray:
         return unit_vectors_device(self._lat, self._lon)
 
 
@@ -195,11 +194,7 @@ class GPUIndex(PointIndex):
     """A dataset version's points and spatial index on the device (see the module doc)."""
 
     def __init__(
-        self,
-        lat: np.ndarray,
-        lon: np.ndarray,
-        earth_radius_m: float,
-        leaf_size: int = LEAF_SIZE,
+        self, lat: np.ndarray, lon: np.ndarray, earth_radius_m: float, leaf_size: int = LEAF_SIZE
     ) -> None:
         self.earth_radius_m = float(earth_radius_m)
         self.leaf_size = int(leaf_size)
@@ -372,7 +367,7 @@ class GPUIndex(PointIndex):
         out_idx = cp.empty((queries.n, k), dtype=cp.int64)
         out_dist = cp.empty((queries.n, k), dtype=cp.float64)
         step = max(1, _BLOCK_ELEMENTS // self.n_points)
-        xyz = queries.xyz
+        xyz = queries.xyz_as_given()
         for start in range(0, queries.n, step):
             stop = min(queries.n, start + step)
             d = _matrix_device(xyz[start:stop], self.xyz, self.earth_radius_m)
