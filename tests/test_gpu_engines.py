@@ -22,6 +22,7 @@ from geonear.service.engines import (
     create_engine,
     gpu_available,
 )
+from geonear.service.engines.base import Neighbours
 from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 pytestmark = [
@@ -75,15 +76,43 @@ def _queries(data: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     return lat[:n], lon[:n]
 
 
+# Each point 10 times over: the k best are decided by row among equal distances.
+_BASE = uniform_points(2000, seed=34)
+DUPLICATES = (np.repeat(_BASE[0], 10), np.repeat(_BASE[1], 10))
+
+
+def _points_and_queries(data: str, n: int) -> tuple[tuple, tuple]:
+    if data == "duplicates":
+        return DUPLICATES, (_BASE[0][:n], _BASE[1][:n] + 0.0001)
+    return SETS[data][0], _queries(data, n)
+
+
+_REFERENCE_KNN: dict[tuple, Neighbours] = {}
+
+
+def _reference_knn(
+    reference: Engine, data: str, n: int, k: int, max_distance_m: float | None = None
+) -> Neighbours:
+    """The reference's KNN answer, computed once per module: brute force on the host is
+    most of this module's time."""
+    key = (data, n, k, max_distance_m)
+    if key not in _REFERENCE_KNN:
+        points, queries = _points_and_queries(data, n)
+        index = reference.build_index(*points)
+        _REFERENCE_KNN[key] = index.knn(*queries, k, max_distance_m=max_distance_m)
+    return _REFERENCE_KNN[key]
+
+
 # -- KNN -------------------------------------------------------------------------------
 @pytest.mark.parametrize("data", SETS)
 @pytest.mark.parametrize("k", [1, 10, 33, 200])
 def test_knn_matches_reference(knn_engine: Engine, reference: Engine, data: str, k: int) -> None:
     points = SETS[data][0]
     # the brute-force engines get fewer queries: they are O(queries x points)
-    queries = _queries(data, 3000 if knn_engine.name == "gpu" else 400)
+    n = 3000 if knn_engine.name == "gpu" else 400
+    queries = _queries(data, n)
     got = knn_engine.build_index(*points).knn(*queries, k)
-    want = reference.build_index(*points).knn(*queries, k)
+    want = _reference_knn(reference, data, n, k)
     assert got.indices.shape == (queries[0].shape[0], k)
     assert got.indices.dtype == np.int64 and got.distances_m.dtype == np.float64
     assert_same_neighbours(got, want, queries=queries, points=points)
@@ -95,10 +124,9 @@ def test_knn_max_distance_matches_reference(
 ) -> None:
     points, queries = SETS[data][0], _queries(data, 500)
     # a bound that cuts about half the queries' lists short
-    unbounded = reference.build_index(*points).knn(*queries, 12)
-    bound = float(np.median(unbounded.distances_m[:, -1]))
+    bound = float(np.median(_reference_knn(reference, data, 500, 12).distances_m[:, -1]))
     got = knn_engine.build_index(*points).knn(*queries, 12, max_distance_m=bound)
-    want = reference.build_index(*points).knn(*queries, 12, max_distance_m=bound)
+    want = _reference_knn(reference, data, 500, 12, bound)
     assert (want.indices < 0).any() and (want.indices >= 0).any()  # the bound really cuts
     assert_same_neighbours(got, want, queries=queries, points=points)
     assert np.all(got.distances_m[got.indices >= 0] <= bound)
@@ -117,11 +145,6 @@ def test_knn_of_many_queries_is_the_same_in_any_order(gpu: Engine) -> None:
     np.testing.assert_array_equal(few.indices, whole.indices[:10])
 
 
-# Each point 10 times over: the k best are decided by row among equal distances.
-_BASE = uniform_points(2000, seed=34)
-DUPLICATES = (np.repeat(_BASE[0], 10), np.repeat(_BASE[1], 10))
-
-
 @pytest.mark.parametrize("leaf_size", [8, 16])
 @pytest.mark.parametrize("data", [*SETS, "duplicates"])
 def test_index_of_any_leaf_size_gives_the_reference_answers(
@@ -129,18 +152,14 @@ def test_index_of_any_leaf_size_gives_the_reference_answers(
 ) -> None:
     from geonear.service.engines.gpu import GPUEngine
 
-    if data == "duplicates":
-        points, queries = DUPLICATES, (_BASE[0][:2500], _BASE[1][:2500] + 0.0001)
-    else:
-        points, queries = SETS[data][0], _queries(data, 3000)
-    got_index = GPUEngine(leaf_size=leaf_size).build_index(*points)
-    want_index = reference.build_index(*points)
+    points, queries = _points_and_queries(data, 3000)
+    index = GPUEngine(leaf_size=leaf_size).build_index(*points)
     for k in (1, 10, 33):
-        got, want = got_index.knn(*queries, k), want_index.knn(*queries, k)
-        assert_same_neighbours(got, want, queries=queries, points=points)
+        want = _reference_knn(reference, data, 3000, k)
+        assert_same_neighbours(index.knn(*queries, k), want, queries=queries, points=points)
     bound = float(np.median(want.distances_m[:, 5]))
-    got = got_index.knn(*queries, 10, max_distance_m=bound)
-    want = want_index.knn(*queries, 10, max_distance_m=bound)
+    got = index.knn(*queries, 10, max_distance_m=bound)
+    want = _reference_knn(reference, data, 3000, 10, bound)
     assert (want.indices < 0).any()
     assert_same_neighbours(got, want, queries=queries, points=points)
 
