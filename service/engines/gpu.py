@@ -182,6 +182,8 @@ class _Queries:
             self.sorted_xyz = unit_vectors_device(self._lat, self._lon, self.order)
 
     def xyz_as_given(self) -> cp.ndarray:
+        if self.n < SORT_QUERIES_FROM:  # searched in the order given already
+            return self.sorted_xyz
         return unit_vectors_device(self._lat, self._lon)
 
 

@@ -136,7 +136,7 @@ extern "C" __global__ void unit_vectors(const double* __restrict__ lat,
 // are of nearly equal area. Consecutive keys are neighbours on the sphere, so leaves of
 // consecutive points are compact: on 1M uniform points the mean leaf box is 0.63x that of
 // a 3-D Morton order and a query's k nearest meet 0.56x as many leaf boxes, which made
-// KNN 2.3-2.8x faster on an H200 (docs/benchmarks.md).
+// KNN 1.9-2.8x faster on an H200 (docs/benchmarks.md).
 __device__ __forceinline__ unsigned long long hilbert_key(double x, double y, double z) {
     const double ax = fabs(x), ay = fabs(y), az = fabs(z);
     int face;
