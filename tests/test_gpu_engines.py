@@ -391,9 +391,33 @@ def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:
 
     xyz = unit_vectors_device(*UNIFORM)
     np.testing.assert_allclose(cupy.asnumpy(xyz), unit_vectors(*UNIFORM), rtol=0, atol=1e-15)
-    order = np.random.default_rng(3).permutation(UNIFORM[0].shape[0])[:500]
-    in_order = unit_vectors_device(*UNIFORM, cupy.asarray(order))
-    np.testing.assert_array_equal(cupy.asnumpy(in_order), cupy.asnumpy(xyz)[order])
+
+
+def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> None:
+    import cupy
+
+    from geonear.service.engines.gpu import _sorted_words
+
+    lat, lon = UNIFORM
+    lat = np.concatenate([lat, np.repeat(lat[:3], 5)])  # each of 3 points 6 times
+    lon = np.concatenate([lon, np.repeat(lon[:3], 5)])
+    words, mask = _sorted_words(cupy.asarray(lat), cupy.asarray(lon))
+    rows = cupy.asnumpy(words & mask).astype(np.int64)
+    assert sorted(rows.tolist()) == list(range(lat.shape[0]))
+    position = np.empty_like(rows)
+    position[rows] = np.arange(rows.shape[0])
+    n = UNIFORM[0].shape[0]
+    for p in range(3):
+        copies = position[[p, *range(n + 5 * p, n + 5 * p + 5)]]
+        assert copies.tolist() == list(range(copies[0], copies[0] + 6))  # together, by row
+
+
+def test_each_rows_position_is_the_inverse_of_the_index_order(gpu: Engine) -> None:
+    import cupy
+
+    index = gpu.build_index(*UNIFORM)
+    rows = cupy.asnumpy(index.rows)
+    np.testing.assert_array_equal(cupy.asnumpy(index.rank)[rows], np.arange(rows.shape[0]))
 
 
 # -- the device table (cuDF) -----------------------------------------------------------

@@ -9,11 +9,12 @@ Index (built once per dataset version, ``GPUIndex``):
 - an implicit tree over the sorted points: leaves of ``leaf_size`` consecutive points and
   nodes of ``FANOUT`` children, each with the float32 bounding box of its points.
 
-Building is one sort of the keys plus a few passes over the points. Leaves hold a fixed
-number of points, not a fixed volume, so the tree adapts to density: a city of a million
-points and an empty ocean cost the same number of levels (clustered data is where a
-uniform grid fails). About 53 bytes of device memory per point, index included; with
-cuDF the ids and attributes are held there too (``gpu_table``: 8 more for int64 ids).
+Building is one sort of 64-bit words (key above row) plus a few passes over the points.
+Leaves hold a fixed number of points, not a fixed volume, so the tree adapts to density:
+a city of a million points and an empty ocean cost the same number of levels (clustered
+data is where a uniform grid fails). About 53 bytes of device memory per point, index
+included; with cuDF the ids and attributes are held there too (``gpu_table``: 8 more for
+int64 ids).
 
 Queries are sorted by the same key, so that neighbouring queries walk one region:
 
@@ -87,6 +88,8 @@ _CHORD_SLACK = 1e-9
 _BLOCK_ELEMENTS = 1 << 26
 _MATRIX_TILE_BYTES = 1 << 30
 _THREADS = 128
+#: Levels of at most this many nodes get their boxes in one block, in one launch.
+_ONE_BLOCK_NODES = 16_384
 #: Leaves of this size get their boxes from the packing kernel (8 lanes a leaf).
 _FUSED_LEAF_SIZE = 8
 _QUERIES_PER_BLOCK = 16  # radius: GROUPS in the source, 8 lanes a query
@@ -137,54 +140,71 @@ def _degrees_device(lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.nd
     )
 
 
-def unit_vectors_device(
-    lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarray, order: cp.ndarray | None = None
-) -> cp.ndarray:
-    """Float64 unit vectors (n, 3) on the device of points in degrees (host or device).
-
-    With ``order`` (int64 rows), the vectors of rows ``order[0]``, ``order[1]``, ... .
-    """
+def unit_vectors_device(lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarray) -> cp.ndarray:
+    """Float64 unit vectors (n, 3) on the device of points in degrees (host or device)."""
     lat_d, lon_d = _degrees_device(lat, lon)
-    n = int(lat_d.shape[0]) if order is None else int(order.shape[0])
+    n = int(lat_d.shape[0])
     xyz = cp.empty((n, 3), dtype=cp.float64)
     if n:
-        _fn("unit_vectors")(
-            (_blocks(n),),
-            (_THREADS,),
-            (lat_d, lon_d, _NULL if order is None else order, np.int64(n), xyz),
-        )
+        _fn("unit_vectors")((_blocks(n),), (_THREADS,), (lat_d, lon_d, np.int64(n), xyz))
     return xyz
 
 
-def _index_keys(lat_d: cp.ndarray, lon_d: cp.ndarray) -> cp.ndarray:
-    """The uint64 Hilbert keys that order the index, of device degrees."""
+def _sorted_words(
+    lat_d: cp.ndarray, lon_d: cp.ndarray, side_by_side: cp.ndarray | None = None
+) -> tuple[cp.ndarray, np.uint64]:
+    """Points in key order as sorted uint64 words (the ``sort_words`` kernel), and the mask
+    of the words' low bits that hold each point's row.
+
+    The key gets every bit the rows leave (3 + 2 x 26 at most): 18 Hilbert levels a face
+    at 10M points, cells of about 40 m, 15 at 2**31 points, about 300 m. Points within a
+    cell are ordered by row; the order only shapes the leaves, never the answers.
+    ``side_by_side`` (n, 2) float64, if given, receives the degrees interleaved.
+    """
     n = int(lat_d.shape[0])
-    keys = cp.empty(n, dtype=cp.uint64)
+    shift = max(1, (n - 1).bit_length())
+    level = min(26, (61 - shift) // 2)
+    words = cp.empty(n, dtype=cp.uint64)
     if n:
-        _fn("index_keys")((_blocks(n),), (_THREADS,), (lat_d, lon_d, np.int64(n), keys))
-    return keys
+        _fn("sort_words")(
+            (_blocks(n),),
+            (_THREADS,),
+            (
+                lat_d,
+                lon_d,
+                np.int64(n),
+                np.int32(level),
+                np.int32(shift),
+                words,
+                _NULL if side_by_side is None else side_by_side,
+            ),
+        )
+        words.sort()
+    return words, np.uint64((1 << shift) - 1)
 
 
 class _Queries:
-    """Query unit vectors in search order: sorted by the index's key when there are many.
+    """Queries in degrees on the device and the order to search them in: by the index's
+    key when there are many (``words``, see ``_sorted_words``), else as given.
 
-    ``sorted_xyz[i]`` is query ``order[i]``; ``xyz_as_given()`` keeps the order given.
+    ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
+    query's unit vector themselves.
     """
 
     def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
-        self._lat, self._lon = _degrees_device(lat, lon)
-        self.n = n = int(self._lat.shape[0])
+        self.lat, self.lon = _degrees_device(lat, lon)
+        self.n = n = int(self.lat.shape[0])
         if n < SORT_QUERIES_FROM:
-            self.order = cp.arange(n, dtype=cp.int64)
-            self.sorted_xyz = unit_vectors_device(self._lat, self._lon)
+            self.words, self.mask = None, np.uint64(0)
         else:
-            self.order = cp.argsort(_index_keys(self._lat, self._lon))
-            self.sorted_xyz = unit_vectors_device(self._lat, self._lon, self.order)
+            self.words, self.mask = _sorted_words(self.lat, self.lon)
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        words = _NULL if self.words is None else self.words
+        return (self.lat, self.lon, words, self.mask, np.int64(self.n))
 
     def xyz_as_given(self) -> cp.ndarray:
-        if self.n < SORT_QUERIES_FROM:  # searched in the order given already
-            return self.sorted_xyz
-        return unit_vectors_device(self._lat, self._lon)
+        return unit_vectors_device(self.lat, self.lon)
 
 
 def _chord_sq_bound(distance_m: float, earth_radius_m: float) -> float:
@@ -205,34 +225,49 @@ class GPUIndex(PointIndex):
             raise ValueError(f"the GPU index holds at most 2**31 - 1 points, got {n}")
         self.n_points = n
         self.table: DeviceTable | None = None  # ids and attributes, once kept
-        lat_d, lon_d = _degrees_device(lat, lon)
-        self.xyz = cp.empty((n, 3), dtype=cp.float64)
-        self.points = cp.empty((n, 4), dtype=cp.float32)
-        self.rows = cp.empty(n, dtype=cp.int32)
-        self.rank = cp.empty(n, dtype=cp.int32)
         counts = [max(1, -(-n // self.leaf_size))]
         while counts[-1] > 1:
             counts.append(-(-counts[-1] // FANOUT))
         if len(counts) > _MAX_LEVELS:
             raise ValueError(f"leaf_size {leaf_size} gives a tree too deep for {n} points")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        total = int(sum(counts))
-        self.box_lo = cp.empty((total, 4), dtype=cp.float32)
-        self.box_hi = cp.empty((total, 4), dtype=cp.float32)
-        self.level_count = cp.asarray(np.asarray(counts, dtype=np.int64))
-        self.level_start = cp.asarray(starts)
         self.top_level = len(counts) - 1
-        if n == 0:
-            return
-        order = cp.argsort(_index_keys(lat_d, lon_d))
+        # The sort first, then the allocations while it runs, so that the host's share
+        # (allocations, about 20 launches) overlaps the device's work.
+        lat_d, lon_d = _degrees_device(lat, lon)
+        side_by_side = cp.empty((n, 2), dtype=cp.float64)
+        words, row_mask = _sorted_words(lat_d, lon_d, side_by_side)
+        self.xyz = cp.empty((n, 3), dtype=cp.float64)
+        self.points = cp.empty((n, 4), dtype=cp.float32)
+        self.rows = cp.empty(n, dtype=cp.int32)
+        self.rank = cp.empty(n, dtype=cp.int32)
+        self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
+        self.box_hi = cp.empty_like(self.box_lo)
+        if n:
+            self._build_tree(side_by_side, words, row_mask, counts, starts)
+        del words, side_by_side
+        # Last, as a plain copy from the host waits for the device's work before it.
+        levels = cp.asarray(np.stack([starts, np.asarray(counts, dtype=np.int64)]))
+        self.level_start, self.level_count = levels[0], levels[1]
+
+    def _build_tree(
+        self,
+        side_by_side: cp.ndarray,
+        words: cp.ndarray,
+        row_mask: np.uint64,
+        counts: list[int],
+        starts: np.ndarray,
+    ) -> None:
+        """Points in key order, each row's position, and the boxes of every level."""
+        n = self.n_points
         fused_leaves = self.leaf_size == _FUSED_LEAF_SIZE
         _fn("pack_points")(
             (_blocks(n),),
             (_THREADS,),
             (
-                lat_d,
-                lon_d,
-                order,
+                side_by_side,
+                words,
+                row_mask,
                 np.int64(n),
                 self.xyz,
                 self.points,
@@ -241,7 +276,6 @@ class GPUIndex(PointIndex):
                 self.box_hi if fused_leaves else _NULL,
             ),
         )
-        del order
         _fn("rank_of")((_blocks(n),), (_THREADS,), (self.rows, np.int64(n), self.rank))
         if not fused_leaves:
             _fn("leaf_boxes")(
@@ -256,21 +290,25 @@ class GPUIndex(PointIndex):
                     self.box_hi,
                 ),
             )
-        for level in range(1, len(counts)):
-            below = slice(int(starts[level - 1]), int(starts[level - 1] + counts[level - 1]))
-            here = slice(int(starts[level]), int(starts[level] + counts[level]))
+        level = 1
+        while level < len(counts) and counts[level] > _ONE_BLOCK_NODES:
+            below, here = int(starts[level - 1]), int(starts[level])
             _fn("node_boxes")(
                 (_blocks(counts[level]),),
                 (_THREADS,),
                 (
-                    self.box_lo[below],
-                    self.box_hi[below],
+                    self.box_lo[below:],
+                    self.box_hi[below:],
                     np.int64(counts[level - 1]),
                     np.int64(counts[level]),
-                    self.box_lo[here],
-                    self.box_hi[here],
+                    self.box_lo[here:],
+                    self.box_hi[here:],
                 ),
             )
+            level += 1
+        if level < len(counts):
+            args = (np.int64(counts[0]), np.int32(level), np.int32(self.top_level))
+            _fn("top_boxes")((1,), (1024,), (self.box_lo, self.box_hi, *args))
 
     @property
     def host_bytes(self) -> int:
@@ -348,9 +386,7 @@ class GPUIndex(PointIndex):
                 self.xyz,
                 self.rank,
                 *self._tree_args(),
-                queries.sorted_xyz,
-                queries.order,
-                np.int64(queries.n),
+                *queries.kernel_args(),
                 np.int32(k),
                 np.float64(bound_sq),
                 np.float64(max_distance_m if bounded else -1.0),
@@ -415,9 +451,7 @@ class GPUIndex(PointIndex):
             self.xyz,
             self.rows,
             *self._tree_args(),
-            queries.sorted_xyz,
-            queries.order,
-            np.int64(queries.n),
+            *queries.kernel_args(),
             thr,
             np.float64(inner_sq),
             np.float64(outer_sq),

@@ -46,7 +46,7 @@ SOURCE = (
     + r"""
 // CUDA kernels of the GPU engine (compiled by CuPy's RawModule; see gpu.py).
 //
-// The spatial index: 3-D unit vectors sorted by a 55-bit Hilbert key (float64, with
+// The spatial index: 3-D unit vectors sorted by a Hilbert key (float64, with
 // each point's row), cut into leaves of `leaf_size` consecutive points, with an implicit
 // tree of FANOUT-ary nodes above the leaves; every node stores the float32 bounding box
 // of its points, rounded outwards. Because leaves hold a fixed number of points, not a
@@ -100,6 +100,13 @@ __device__ __forceinline__ bool less_key(double d, int r, double bd, int br) {
     return d < bd || (d == bd && r < br);
 }
 
+// The query searched t-th: the low bits of the t-th sorted word (sort_words), or t
+// itself when the queries are searched in the order given (words null).
+__device__ __forceinline__ long long query_of(const unsigned long long* __restrict__ words,
+                                              unsigned long long mask, long long t) {
+    return words != nullptr ? (long long)(words[t] & mask) : t;
+}
+
 // ---------------------------------------------------------------------------------
 // Index build
 // ---------------------------------------------------------------------------------
@@ -115,85 +122,114 @@ __device__ __forceinline__ void unit_vector(double lat_deg, double lon_deg, doub
     *z = sin(la);
 }
 
-// Unit vectors (n, 3) float64 from degrees, of rows order[0..n) (all rows in turn if
-// order is null): the queries in search order without a gather of their own.
+// Unit vectors (n, 3) float64 from degrees.
 extern "C" __global__ void unit_vectors(const double* __restrict__ lat,
-                                        const double* __restrict__ lon,
-                                        const long long* __restrict__ order, long long n,
+                                        const double* __restrict__ lon, long long n,
                                         double* __restrict__ xyz) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const long long r = order != nullptr ? order[i] : i;
     double x, y, z;
-    unit_vector(lat[r], lon[r], &x, &y, &z);
+    unit_vector(lat[i], lon[i], &x, &y, &z);
     xyz[3 * i] = x;
     xyz[3 * i + 1] = y;
     xyz[3 * i + 2] = z;
 }
 
-// The Hilbert key of a unit vector: the cube face it projects onto (0..5) above 52 bits
-// of the 2-D Hilbert index of its position on that face, warped by atan so that cells
-// are of nearly equal area. Consecutive keys are neighbours on the sphere, so leaves of
-// consecutive points are compact: on 1M uniform points the mean leaf box is 0.63x that of
-// a 3-D Morton order and a query's k nearest meet 0.56x as many leaf boxes, which made
-// KNN 1.9-2.8x faster on an H200 (docs/benchmarks.md).
-__device__ __forceinline__ unsigned long long hilbert_key(double x, double y, double z) {
-    const double ax = fabs(x), ay = fabs(y), az = fabs(z);
-    int face;
-    double u, v, m;
-    if (ax >= ay && ax >= az) {
-        face = x < 0.0;
-        m = ax; u = y; v = z;
-    } else if (ay >= az) {
-        face = 2 + (y < 0.0);
-        m = ay; u = z; v = x;
-    } else {
-        face = 4 + (z < 0.0);
-        m = az; u = x; v = y;
-    }
-    const double warp = 4.0 / 3.141592653589793;
-    u = atan(u / m) * warp;
-    v = atan(v / m) * warp;
-    const unsigned side = 1u << 26;
-    unsigned qu = (unsigned)fmin(fmax((u + 1.0) * 0.5 * side, 0.0), (double)(side - 1));
-    unsigned qv = (unsigned)fmin(fmax((v + 1.0) * 0.5 * side, 0.0), (double)(side - 1));
-    unsigned long long d = 0;
-    for (unsigned s = side >> 1; s > 0; s >>= 1) {
-        const unsigned rx = (qu & s) ? 1u : 0u, ry = (qv & s) ? 1u : 0u;
-        d += (unsigned long long)s * s * ((3u * rx) ^ ry);
-        if (ry == 0) {
-            if (rx == 1) {
-                qu = side - 1 - qu;
-                qv = side - 1 - qv;
-            }
-            const unsigned swap = qu;
-            qu = qv;
-            qv = swap;
+// Two levels of the 2-D Hilbert curve a step: entry (state << 4 | x bits << 2 | y bits)
+// holds the step's 4 index bits above the next state, a state being how the coordinates
+// below are transformed: swapped (bit 0) and complemented (bit 1). Built from the
+// one-level rule: quadrant (3 a) ^ b of the transformed bits (a, b); where b is 0 the
+// curve below is swapped, and also complemented where a is 1.
+__device__ unsigned hilbert_entry(int e) {
+    int sw = (e >> 4) & 1, fl = e >> 5;
+    unsigned q = 0;
+    for (int bit = 1; bit >= 0; --bit) {
+        const int xb = (e >> (2 + bit)) & 1, yb = (e >> bit) & 1;
+        const int a = (sw ? yb : xb) ^ fl, b = (sw ? xb : yb) ^ fl;
+        q = (q << 2) | (unsigned)((3 * a) ^ b);
+        if (b == 0) {
+            sw ^= 1;
+            fl ^= a;
         }
     }
-    return ((unsigned long long)face << 52) | d;
+    return (q << 2) | (unsigned)(fl << 1) | (unsigned)sw;
 }
 
-// The keys that order the index, of points in degrees: the index build and the queries'
-// sort compute the vectors again in key order, which costs less than writing them here
-// and gathering them there.
-extern "C" __global__ void index_keys(const double* __restrict__ lat,
-                                      const double* __restrict__ lon, long long n,
-                                      unsigned long long* __restrict__ keys) {
+// The Hilbert key of a unit vector: the cube face it projects onto (0..5) above the
+// 2 * level bits of the 2-D Hilbert index of its position on that face, warped by atan
+// so that cells are of nearly equal area (with an odd level, the curve is the same one
+// transposed). Consecutive keys are neighbours on the sphere, so leaves of consecutive
+// points are compact: on 1M uniform points the mean leaf box is 0.63x that of a 3-D
+// Morton order and a query's k nearest meet 0.56x as many leaf boxes, which made KNN
+// 1.9-2.8x faster on an H200 (docs/benchmarks.md).
+// Computed in float32: the key only shapes the leaves, never the answers. float32
+// resolves a face to about 2**-23 of its width, finer than the cells wherever they
+// matter (18 levels at 10M points); with fewer points the finest levels are coarser
+// than their nominal size, which no leaf of 8 notices.
+__device__ __forceinline__ unsigned long long hilbert_key(float x, float y, float z,
+                                                          int level,
+                                                          const unsigned char* table) {
+    const float ax = fabsf(x), ay = fabsf(y), az = fabsf(z);
+    int face;
+    float u, v, m;
+    if (ax >= ay && ax >= az) {
+        face = x < 0.f;
+        m = ax; u = y; v = z;
+    } else if (ay >= az) {
+        face = 2 + (y < 0.f);
+        m = ay; u = z; v = x;
+    } else {
+        face = 4 + (z < 0.f);
+        m = az; u = x; v = y;
+    }
+    const float warp = 4.f / 3.14159265f;
+    u = atanf(u / m) * warp;
+    v = atanf(v / m) * warp;
+    const float side = (float)(1u << level), top = side - 1.f;
+    const unsigned qu = (unsigned)fminf(fmaxf((u + 1.f) * 0.5f * side, 0.f), top);
+    const unsigned qv = (unsigned)fminf(fmaxf((v + 1.f) * 0.5f * side, 0.f), top);
+    unsigned long long d = 0;
+    unsigned state = 0;
+    for (int b = level + (level & 1) - 2; b >= 0; b -= 2) {
+        const unsigned e = table[(state << 4) | (((qu >> b) & 3u) << 2) | ((qv >> b) & 3u)];
+        d = (d << 4) | (e >> 2);
+        state = e & 3u;
+    }
+    return ((unsigned long long)face << (2 * level)) | d;
+}
+
+// Sort words of points in degrees: the Hilbert key (3 + 2 * level bits) above the
+// point's position i (the low `shift` bits), so that one plain sort of the words orders
+// the points and names them (an argsort moves an index beside each key: 1.4x the time).
+// Points with the same key keep their row order. With `ll` non-null, the degrees are
+// also written side by side, so that the gather in key order reads one 16-byte pair.
+extern "C" __global__ void sort_words(const double* __restrict__ lat,
+                                      const double* __restrict__ lon, long long n, int level,
+                                      int shift, unsigned long long* __restrict__ words,
+                                      double2* __restrict__ ll) {
+    __shared__ unsigned char table[64];  // blocks have at least 64 threads
+    if (threadIdx.x < 64) table[threadIdx.x] = (unsigned char)hilbert_entry(threadIdx.x);
+    __syncthreads();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    double x, y, z;
-    unit_vector(lat[i], lon[i], &x, &y, &z);
-    keys[i] = hilbert_key(x, y, z);
+    const double la = lat[i], lo = lon[i];
+    float sa, ca, so, co;
+    sincospif((float)la * (1.f / 180.f), &sa, &ca);
+    sincospif((float)lo * (1.f / 180.f), &so, &co);
+    const unsigned long long key = hilbert_key(ca * co, ca * so, sa, level, table);
+    words[i] = (key << shift) | (unsigned long long)i;
+    if (ll != nullptr) ll[i] = make_double2(la, lo);
 }
 
-// Points in key order: float64 unit vectors, the same in float32 with the row as int
-// bits (x, y, z, row), and their rows. With leaves of 8 (lo non-null), each aligned group
-// of 8 lanes holds one leaf and also writes its box (see leaf_boxes). Each row's
+// Points in key order (the sorted words of sort_words): float64 unit vectors, the same
+// in float32 with the row as int bits (x, y, z, row), and their rows, from the degrees
+// side by side (`ll`: one 16-byte load a point, 0.37 ms at 10M points on an H200, against
+// 0.59 from separate lat and lon arrays). With leaves of 8 (lo non-null), each aligned
+// group of 8 lanes holds one leaf and also writes its box (see leaf_boxes). Each row's
 // position is written apart (rank_of): scattered stores in this kernel doubled its time.
-extern "C" __global__ void pack_points(const double* __restrict__ lat,
-                                       const double* __restrict__ lon,
-                                       const long long* __restrict__ order, long long n,
+extern "C" __global__ void pack_points(const double2* __restrict__ ll,
+                                       const unsigned long long* __restrict__ words,
+                                       unsigned long long row_mask, long long n,
                                        double* __restrict__ sxyz, float4* __restrict__ pts,
                                        int* __restrict__ rows, float4* __restrict__ lo,
                                        float4* __restrict__ hi) {
@@ -201,8 +237,9 @@ extern "C" __global__ void pack_points(const double* __restrict__ lat,
     const bool live = i < n;
     double x = 0.0, y = 0.0, z = 0.0;
     if (live) {
-        const long long r = order[i];
-        unit_vector(lat[r], lon[r], &x, &y, &z);
+        const long long r = (long long)(words[i] & row_mask);
+        const double2 d = ll[r];
+        unit_vector(d.x, d.y, &x, &y, &z);
         sxyz[3 * i] = x;
         sxyz[3 * i + 1] = y;
         sxyz[3 * i + 2] = z;
@@ -260,13 +297,10 @@ extern "C" __global__ void leaf_boxes(const double* __restrict__ sxyz, long long
     hi[j] = b;
 }
 
-// Boxes of one level from the level below (children [i * FANOUT, (i + 1) * FANOUT)).
-extern "C" __global__ void node_boxes(const float4* __restrict__ child_lo,
-                                      const float4* __restrict__ child_hi, long long n_children,
-                                      long long n_nodes, float4* __restrict__ lo,
-                                      float4* __restrict__ hi) {
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n_nodes) return;
+// Boxes of one node from its children [j * FANOUT, min(n_children, (j + 1) * FANOUT)).
+__device__ __forceinline__ void node_box(const float4* child_lo, const float4* child_hi,
+                                         long long n_children, long long j, float4* lo,
+                                         float4* hi) {
     long long s = j * FANOUT, e = min(n_children, s + FANOUT);
     float4 a = child_lo[s], b = child_hi[s];
     for (long long c = s + 1; c < e; ++c) {
@@ -276,6 +310,36 @@ extern "C" __global__ void node_boxes(const float4* __restrict__ child_lo,
     }
     lo[j] = a;
     hi[j] = b;
+}
+
+// Boxes of one level from the level below.
+extern "C" __global__ void node_boxes(const float4* __restrict__ child_lo,
+                                      const float4* __restrict__ child_hi, long long n_children,
+                                      long long n_nodes, float4* __restrict__ lo,
+                                      float4* __restrict__ hi) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n_nodes) node_box(child_lo, child_hi, n_children, j, lo, hi);
+}
+
+// Boxes of levels first..top (each small), one after another in a single block: one
+// launch instead of one a level, whose cost on the host exceeded the work. Each level's
+// start and count follow from the number of leaves, as in GPUIndex. Plain loads (not the
+// read-only path), since each level reads what the block wrote just before.
+extern "C" __global__ void top_boxes(float4* lo, float4* hi, long long n_leaves, int first,
+                                     int top) {
+    long long below = 0, n_children = n_leaves;  // the level below `level`
+    for (int level = 1; level <= top; ++level) {
+        const long long here = below + n_children;
+        const long long n_nodes = (n_children + FANOUT - 1) / FANOUT;
+        if (level >= first) {
+            for (long long j = threadIdx.x; j < n_nodes; j += blockDim.x) {
+                node_box(lo + below, hi + below, n_children, j, lo + here, hi + here);
+            }
+            __syncthreads();
+        }
+        below = here;
+        n_children = n_nodes;
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -335,8 +399,9 @@ __device__ __forceinline__ int push_children(
 // must be kept per query, and a group's lanes all wait on each insertion), the k best
 // kept sorted in registers, depth-first traversal nearest child first. Leaf points are
 // tested in float32 first (`pts`: x, y, z, row as int bits) and a point that passes is
-// measured in float64 from the sorted points next to it. Slots [0, K - k) hold -inf
-// sentinels, so the worst of the k best is always bd[K - 1].
+// measured in float64 from the sorted points next to it. The k best are kept by row
+// (keeping positions instead, with rows read on exact ties, was 10% slower on an H200).
+// Slots [0, K - k) hold -inf sentinels, so the worst of the k best is always bd[K - 1].
 #define CSWAP(a, b)                                                  \
     if (cd[b] < cd[a]) {                                             \
         float td = cd[a]; cd[a] = cd[b]; cd[b] = td;                 \
@@ -360,14 +425,16 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     const int* __restrict__ rank, const float4* __restrict__ lo,
     const float4* __restrict__ hi, const long long* __restrict__ level_start,
     const long long* __restrict__ level_count, int top_level, int leaf_size,
-    long long n_points, const double* __restrict__ q64,
-    const long long* __restrict__ q_order, long long n_queries, int k, double bound_sq,
+    long long n_points, const double* __restrict__ q_lat, const double* __restrict__ q_lon,
+    const unsigned long long* __restrict__ q_words, unsigned long long q_mask,
+    long long n_queries, int k, double bound_sq,
     double max_m, double radius, long long* __restrict__ out_idx,
     double* __restrict__ out_dist) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n_queries) return;
-    const long long qi = q_order[t];
-    const double qx = q64[3 * t], qy = q64[3 * t + 1], qz = q64[3 * t + 2];
+    const long long qi = query_of(q_words, q_mask, t);
+    double qx, qy, qz;
+    unit_vector(q_lat[qi], q_lon[qi], &qx, &qy, &qz);
     const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
     const bool has_max = max_m >= 0.0;
 
@@ -475,8 +542,9 @@ extern "C" __global__ void radius_search(
     const double* __restrict__ sxyz, const int* __restrict__ rows,
     const float4* __restrict__ lo, const float4* __restrict__ hi,
     const long long* __restrict__ level_start, const long long* __restrict__ level_count,
-    int top_level, int leaf_size, long long n_points, const double* __restrict__ q64,
-    const long long* __restrict__ q_order, long long n_queries, float thr, double inner_sq,
+    int top_level, int leaf_size, long long n_points, const double* __restrict__ q_lat,
+    const double* __restrict__ q_lon, const unsigned long long* __restrict__ q_words,
+    unsigned long long q_mask, long long n_queries, float thr, double inner_sq,
     double outer_sq, double radius_m, double radius, long long* __restrict__ counts,
     const long long* __restrict__ offsets, long long* __restrict__ out_idx,
     double* __restrict__ out_dist, int sort_limit) {
@@ -485,8 +553,9 @@ extern "C" __global__ void radius_search(
     const long long t = (long long)blockIdx.x * GROUPS + g;
     if (t >= n_queries) return;  // the whole group
     const unsigned mask = group_mask();
-    const long long qi = q_order[t];
-    const double qx = q64[3 * t], qy = q64[3 * t + 1], qz = q64[3 * t + 2];
+    const long long qi = query_of(q_words, q_mask, t);
+    double qx, qy, qz;
+    unit_vector(q_lat[qi], q_lon[qi], &qx, &qy, &qz);
     const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
     const bool write = out_idx != nullptr;
     const long long first = write ? offsets[qi] : 0;
