@@ -233,7 +233,8 @@ class GPUIndex(PointIndex):
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.top_level = len(counts) - 1
         # The sort first, then the allocations while it runs, so that the host's share
-        # (allocations, about 20 launches) overlaps the device's work.
+        # (allocations and launches) overlaps the device's work: 1.61-1.64 -> 1.55 ms at
+        # 10M points on an H200.
         lat_d, lon_d = _degrees_device(lat, lon)
         side_by_side = cp.empty((n, 2), dtype=cp.float64)
         words, row_mask = _sorted_words(lat_d, lon_d, side_by_side)
