@@ -150,11 +150,11 @@ def unit_vectors_device(lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarr
     return xyz
 
 
-def _sorted_words(
+def _sort_words(
     lat_d: cp.ndarray, lon_d: cp.ndarray, side_by_side: cp.ndarray | None = None
 ) -> tuple[cp.ndarray, np.uint64]:
-    """Points in key order as sorted uint64 words (the ``sort_words`` kernel), and the mask
-    of the words' low bits that hold each point's row.
+    """The uint64 words that sorted put points in key order (the ``sort_words`` kernel,
+    launched, not waited for), and the mask of the words' low bits that hold the row.
 
     The key gets every bit the rows leave (3 + 2 x 26 at most): 18 Hilbert levels a face
     at 10M points, cells of about 40 m, 15 at 2**31 points, about 300 m. Points within a
@@ -179,13 +179,12 @@ def _sorted_words(
                 _NULL if side_by_side is None else side_by_side,
             ),
         )
-        words.sort()
     return words, np.uint64((1 << shift) - 1)
 
 
 class _Queries:
     """Queries in degrees on the device and the order to search them in: by the index's
-    key when there are many (``words``, see ``_sorted_words``), else as given.
+    key when there are many (sorted ``words``, see ``_sort_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
     query's unit vector themselves.
@@ -197,7 +196,8 @@ class _Queries:
         if n < SORT_QUERIES_FROM:
             self.words, self.mask = None, np.uint64(0)
         else:
-            self.words, self.mask = _sorted_words(self.lat, self.lon)
+            self.words, self.mask = _sort_words(self.lat, self.lon)
+            self.words.sort()
 
     def kernel_args(self) -> tuple[Any, ...]:
         words = _NULL if self.words is None else self.words
@@ -232,18 +232,18 @@ class GPUIndex(PointIndex):
             raise ValueError(f"leaf_size {leaf_size} gives a tree too deep for {n} points")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.top_level = len(counts) - 1
-        # The sort first, then the allocations while it runs, so that the host's share
-        # (allocations and launches) overlaps the device's work: 1.61-1.64 -> 1.55 ms at
-        # 10M points on an H200.
+        # The words' kernel first, the allocations while it runs, then the sort, which
+        # blocks until the device is done (CuPy sorts through Thrust).
         lat_d, lon_d = _degrees_device(lat, lon)
         side_by_side = cp.empty((n, 2), dtype=cp.float64)
-        words, row_mask = _sorted_words(lat_d, lon_d, side_by_side)
+        words, row_mask = _sort_words(lat_d, lon_d, side_by_side)
         self.xyz = cp.empty((n, 3), dtype=cp.float64)
         self.points = cp.empty((n, 4), dtype=cp.float32)
         self.rows = cp.empty(n, dtype=cp.int32)
         self.rank = cp.empty(n, dtype=cp.int32)
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
+        words.sort()
         if n:
             self._build_tree(side_by_side, words, row_mask, counts, starts)
         del words, side_by_side

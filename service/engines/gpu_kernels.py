@@ -462,6 +462,8 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
         const long long node = st_node[sp];
         if (level == 0) {
             const long long s = node * leaf_size, e = min(n_points, s + leaf_size);
+            // Unrolled by 4: 1-4% faster on an H200 (by 8, or no unrolling: slower).
+#pragma unroll 4
             for (long long i = s; i < e; ++i) {
                 const float4 p = pts[i];
                 const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
