@@ -396,13 +396,12 @@ def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:
 def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> None:
     import cupy
 
-    from geonear.service.engines.gpu import _sort_words
+    from geonear.service.engines.gpu import _sorted_words
 
     lat, lon = UNIFORM
     lat = np.concatenate([lat, np.repeat(lat[:3], 5)])  # each of 3 points 6 times
     lon = np.concatenate([lon, np.repeat(lon[:3], 5)])
-    words, mask = _sort_words(cupy.asarray(lat), cupy.asarray(lon))
-    words.sort()
+    words, mask = _sorted_words(cupy.asarray(lat), cupy.asarray(lon))
     rows = cupy.asnumpy(words & mask).astype(np.int64)
     assert sorted(rows.tolist()) == list(range(lat.shape[0]))
     position = np.empty_like(rows)

@@ -150,11 +150,11 @@ def unit_vectors_device(lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarr
     return xyz
 
 
-def _sort_words(
+def _sorted_words(
     lat_d: cp.ndarray, lon_d: cp.ndarray, side_by_side: cp.ndarray | None = None
 ) -> tuple[cp.ndarray, np.uint64]:
-    """The uint64 words that sorted put points in key order (the ``sort_words`` kernel,
-    launched, not waited for), and the mask of the words' low bits that hold the row.
+    """Points in key order as sorted uint64 words (the ``sort_words`` kernel), and the mask
+    of the words' low bits that hold each point's row.
 
     The key gets every bit the rows leave (3 + 2 x 26 at most): 18 Hilbert levels a face
     at 10M points, cells of about 40 m, 15 at 2**31 points, about 300 m. Points within a
@@ -179,12 +179,13 @@ def _sort_words(
                 _NULL if side_by_side is None else side_by_side,
             ),
         )
+        words.sort()
     return words, np.uint64((1 << shift) - 1)
 
 
 class _Queries:
     """Queries in degrees on the device and the order to search them in: by the index's
-    key when there are many (sorted ``words``, see ``_sort_words``), else as given.
+    key when there are many (``words``, see ``_sorted_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
     query's unit vector themselves.
@@ -196,8 +197,7 @@ class _Queries:
         if n < SORT_QUERIES_FROM:
             self.words, self.mask = None, np.uint64(0)
         else:
-            self.words, self.mask = _sort_words(self.lat, self.lon)
-            self.words.sort()
+            self.words, self.mask = _sorted_words(self.lat, self.lon)
 
     def kernel_args(self) -> tuple[Any, ...]:
         words = _NULL if self.words is None else self.words
@@ -232,24 +232,19 @@ class GPUIndex(PointIndex):
             raise ValueError(f"leaf_size {leaf_size} gives a tree too deep for {n} points")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.top_level = len(counts) - 1
-        # The words' kernel first, the allocations while it runs, then the sort, which
-        # blocks until the device is done (CuPy sorts through Thrust).
+        levels = cp.asarray(np.stack([starts, np.asarray(counts, dtype=np.int64)]))
+        self.level_start, self.level_count = levels[0], levels[1]
         lat_d, lon_d = _degrees_device(lat, lon)
         side_by_side = cp.empty((n, 2), dtype=cp.float64)
-        words, row_mask = _sort_words(lat_d, lon_d, side_by_side)
+        words, row_mask = _sorted_words(lat_d, lon_d, side_by_side)
         self.xyz = cp.empty((n, 3), dtype=cp.float64)
         self.points = cp.empty((n, 4), dtype=cp.float32)
         self.rows = cp.empty(n, dtype=cp.int32)
         self.rank = cp.empty(n, dtype=cp.int32)
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
-        words.sort()
         if n:
             self._build_tree(side_by_side, words, row_mask, counts, starts)
-        del words, side_by_side
-        # Last, as a plain copy from the host waits for the device's work before it.
-        levels = cp.asarray(np.stack([starts, np.asarray(counts, dtype=np.int64)]))
-        self.level_start, self.level_count = levels[0], levels[1]
 
     def _build_tree(
         self,
@@ -308,7 +303,7 @@ class GPUIndex(PointIndex):
             )
             level += 1
         if level < len(counts):
-            args = (np.int64(counts[0]), np.int32(level), np.int32(self.top_level))
+            args = (self.level_start, self.level_count, np.int32(level), np.int32(self.top_level))
             _fn("top_boxes")((1,), (1024,), (self.box_lo, self.box_hi, *args))
 
     @property

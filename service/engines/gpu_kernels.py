@@ -322,23 +322,19 @@ extern "C" __global__ void node_boxes(const float4* __restrict__ child_lo,
 }
 
 // Boxes of levels first..top (each small), one after another in a single block: one
-// launch instead of one a level, whose cost on the host exceeded the work. Each level's
-// start and count follow from the number of leaves, as in GPUIndex. Plain loads (not the
-// read-only path), since each level reads what the block wrote just before.
-extern "C" __global__ void top_boxes(float4* lo, float4* hi, long long n_leaves, int first,
+// launch instead of one a level, whose cost on the host exceeded the work. Plain loads
+// (not the read-only path), since each level reads what the block wrote just before.
+extern "C" __global__ void top_boxes(float4* lo, float4* hi,
+                                     const long long* __restrict__ level_start,
+                                     const long long* __restrict__ level_count, int first,
                                      int top) {
-    long long below = 0, n_children = n_leaves;  // the level below `level`
-    for (int level = 1; level <= top; ++level) {
-        const long long here = below + n_children;
-        const long long n_nodes = (n_children + FANOUT - 1) / FANOUT;
-        if (level >= first) {
-            for (long long j = threadIdx.x; j < n_nodes; j += blockDim.x) {
-                node_box(lo + below, hi + below, n_children, j, lo + here, hi + here);
-            }
-            __syncthreads();
+    for (int level = first; level <= top; ++level) {
+        const long long below = level_start[level - 1], here = level_start[level];
+        const long long n_children = level_count[level - 1], n_nodes = level_count[level];
+        for (long long j = threadIdx.x; j < n_nodes; j += blockDim.x) {
+            node_box(lo + below, hi + below, n_children, j, lo + here, hi + here);
         }
-        below = here;
-        n_children = n_nodes;
+        __syncthreads();
     }
 }
 
