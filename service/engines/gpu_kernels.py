@@ -413,6 +413,36 @@ __device__ __forceinline__ void sort8(float* cd, int* cn) {
     CSWAP(2, 4) CSWAP(3, 5) CSWAP(3, 4)
 }
 
+// KNN's stack holds at most one batch of children a level, sorted nearest on top: a
+// level's children are pushed when a node of the level above is searched, and by then
+// every entry above that node is used up. So when the top entry of a batch lies beyond
+// the bound, the rest of its batch does too and is dropped at once (each level's batch
+// start kept a byte a level in `bases`). An entry is one 64-bit word: the box distance
+// rounded down to its 28 high bits (so never pruned too early), the level, the node.
+__device__ __forceinline__ unsigned long long stack_entry(float d, int level, int node) {
+    return ((unsigned long long)(__float_as_uint(d) >> 4) << 36) |
+           ((unsigned long long)level << 32) | (unsigned)node;
+}
+
+__device__ __forceinline__ float entry_dist(unsigned long long e) {
+    return __uint_as_float((unsigned)(e >> 36) << 4);
+}
+
+__device__ __forceinline__ int batch_base(const unsigned long long* bases, int level) {
+    const unsigned long long w = level < 8 ? bases[0] : bases[1];
+    return (int)((w >> (8 * (level & 7))) & 0xffULL);
+}
+
+__device__ __forceinline__ void set_batch_base(unsigned long long* bases, int level, int sp) {
+    const int s = 8 * (level & 7);
+    const unsigned long long keep = ~(0xffULL << s), put = (unsigned long long)sp << s;
+    if (level < 8) {
+        bases[0] = (bases[0] & keep) | put;
+    } else {
+        bases[1] = (bases[1] & keep) | put;
+    }
+}
+
 // Six blocks of 128 threads per multiprocessor for k <= 10 (at most 80 registers:
 // 15% faster than the compiler's choice at k = 10 on an H200).
 template <int K>
@@ -444,18 +474,18 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     }
     float thr = prune_threshold(fmin(bd[K - 1], bound_sq));
 
-    int st_node[STACK];
-    unsigned char st_level[STACK];
-    float st_d[STACK];
-    st_node[0] = 0;
-    st_level[0] = (unsigned char)top_level;
-    st_d[0] = 0.f;
+    unsigned long long st[STACK];
+    unsigned long long bases[2] = {0ULL, 0ULL};
+    st[0] = stack_entry(0.f, top_level, 0);
     int sp = 1;
     while (sp > 0) {
-        --sp;
-        if (st_d[sp] > thr) continue;
-        const int level = st_level[sp];
-        const long long node = st_node[sp];
+        const unsigned long long entry = st[--sp];
+        const int level = (int)(entry >> 32) & 15;
+        if (entry_dist(entry) > thr) {
+            sp = batch_base(bases, level);  // the rest of the batch is farther still
+            continue;
+        }
+        const long long node = (unsigned)entry;
         if (level == 0) {
             const long long s = node * leaf_size, e = min(n_points, s + leaf_size);
             // Unrolled by 4: 1-4% faster on an H200 (by 8, or no unrolling: slower).
@@ -503,15 +533,11 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
                 cn[j] = (int)c;
             }
             sort8(cd, cn);
+            set_batch_base(bases, cl, sp);
             // Farthest first onto the stack, so the nearest child is searched next.
 #pragma unroll
             for (int j = FANOUT - 1; j >= 0; --j) {
-                if (cd[j] <= thr && cd[j] < INF_F) {
-                    st_node[sp] = cn[j];
-                    st_level[sp] = (unsigned char)cl;
-                    st_d[sp] = cd[j];
-                    ++sp;
-                }
+                if (cd[j] <= thr && cd[j] < INF_F) st[sp++] = stack_entry(cd[j], cl, cn[j]);
             }
         }
     }
