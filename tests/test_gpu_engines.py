@@ -8,6 +8,7 @@ answers longer than the kernel sorts itself, k above the register top-k) run too
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -189,6 +190,24 @@ def test_radius_beyond_half_the_circumference_returns_every_point(
     assert np.all(np.diff(got.offsets) == 3000)
     want = reference.build_index(*points).radius(*queries, HALF_CIRCUMFERENCE_M + 1.0)
     assert_same_neighbours(got, want)
+
+
+@pytest.mark.parametrize("data", ["uniform", "duplicates"])
+def test_radius_long_answers_are_sorted_by_distance_then_row(
+    gpu: Engine, reference: Engine, data: str
+) -> None:
+    # About 4,100 neighbours a query: some answers sorted a block each in shared memory
+    # (at most 4096), the others by the lexsort; duplicates tie in tens, decided by row.
+    points = UNIFORM if data == "uniform" else DUPLICATES
+    queries = _queries("uniform", 200)
+    got = gpu.build_index(*points).radius(*queries, 6_000_000.0)
+    sizes = np.diff(got.offsets)
+    assert (sizes > 4096).any() and ((sizes > 128) & (sizes <= 4096)).any()
+    for q, (start, stop) in enumerate(itertools.pairwise(got.offsets)):
+        order = np.lexsort((got.indices[start:stop], got.distances_m[start:stop]))
+        np.testing.assert_array_equal(order, np.arange(stop - start), f"query {q}")
+    want = reference.build_index(*points).radius(*queries, 6_000_000.0)
+    assert_same_neighbours(got, want, queries=queries, points=points)
 
 
 # -- edge cases ------------------------------------------------------------------------

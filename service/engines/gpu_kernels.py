@@ -649,6 +649,49 @@ extern "C" __global__ void radius_search(
     }
 }
 
+// Radius segments longer than radius_search sorts itself, up to SEGMENT_SORT_MAX
+// entries: one block a segment (queries[blockIdx.x]), a bitonic sort by (metres, row) in
+// shared memory, padded to a power of two with entries that sort last. Longer segments
+// are sorted on the host side of gpu.py (a lexsort).
+#define SEGMENT_SORT_MAX 4096   // 4096 * (8 + 4) bytes: the 48 KB of static shared memory
+extern "C" __global__ void sort_segments(const long long* __restrict__ offsets,
+                                         const long long* __restrict__ queries,
+                                         long long* __restrict__ idx,
+                                         double* __restrict__ dist) {
+    __shared__ double sd[SEGMENT_SORT_MAX];
+    __shared__ int sr[SEGMENT_SORT_MAX];
+    const long long q = queries[blockIdx.x], first = offsets[q];
+    const int n = (int)(offsets[q + 1] - first);
+    int p = 1;
+    while (p < n) p <<= 1;
+    for (int i = threadIdx.x; i < p; i += blockDim.x) {
+        sd[i] = i < n ? dist[first + i] : INF_D;
+        sr[i] = i < n ? (int)idx[first + i] : 0x7fffffff;
+    }
+    __syncthreads();
+    for (int size = 2; size <= p; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < (p >> 1); i += blockDim.x) {
+                const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+                const double da = sd[a], db = sd[b];
+                const int ra = sr[a], rb = sr[b];
+                const bool after = da > db || (da == db && ra > rb);
+                if (after == ((a & size) == 0)) {  // ascending where bit `size` of a is 0
+                    sd[a] = db;
+                    sd[b] = da;
+                    sr[a] = rb;
+                    sr[b] = ra;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        dist[first + i] = sd[i];
+        idx[first + i] = sr[i];
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // Distance matrices: one thread per column, MATRIX_ROWS rows per block; the block's row
 // vectors are staged in shared memory, a column's stays in registers, writes are
