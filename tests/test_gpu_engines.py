@@ -146,6 +146,49 @@ def test_knn_of_many_queries_is_the_same_in_any_order(gpu: Engine) -> None:
     np.testing.assert_array_equal(few.indices, whole.indices[:10])
 
 
+def test_knn_of_many_queries_in_slices_equals_one_search(
+    gpu: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Large query sets are searched in slices, each on its own stream.
+    from geonear.service.engines import gpu as gpu_module
+
+    index = gpu.build_index(*CLUSTERED)
+    lat, lon = CLUSTER_QUERIES
+    whole = index.knn(lat, lon, 10)
+    monkeypatch.setattr(gpu_module, "KNN_CHUNK", 700)
+    chunks = gpu_module._query_chunks(lat.shape[0])
+    assert len(chunks) == gpu_module.KNN_CHUNKS
+    assert chunks[0][0] == 0 and chunks[-1][1] == lat.shape[0]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    sliced = index.knn(lat, lon, 10)
+    np.testing.assert_array_equal(sliced.indices, whole.indices)
+    np.testing.assert_array_equal(sliced.distances_m, whole.distances_m)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_equidistant_neighbours_are_ranked_by_row(gpu: Engine, reference: Engine, k: int) -> None:
+    # Points d north and d south of an equator point lie at exactly equal float64
+    # distances from it; each is there three times, under shuffled rows, among uniform
+    # points. Only the exact pass of the KNN kernel (rows read on ties) ranks them by row.
+    rng = np.random.default_rng(12)
+    centres = np.arange(-170.0, 180.0, 7.0)
+    offsets = rng.uniform(0.01, 0.1, centres.shape[0])
+    tied_lat = np.concatenate([offsets, -offsets] * 3)
+    tied_lon = np.concatenate([centres, centres] * 3)
+    noise = uniform_points(3000, seed=13)
+    lat = np.concatenate([tied_lat, noise[0]])
+    lon = np.concatenate([tied_lon, noise[1]])
+    perm = rng.permutation(lat.shape[0])
+    lat, lon = lat[perm], lon[perm]
+    queries = (np.zeros_like(centres), centres)
+    got = gpu.build_index(lat, lon).knn(*queries, k)
+    want = reference.build_index(lat, lon).knn(*queries, k)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_allclose(got.distances_m, want.distances_m, rtol=0, atol=1e-6)
+    if k > 1:  # the answers do hold exact ties (the nearest six points of most queries)
+        assert np.mean(got.distances_m[:, 0] == got.distances_m[:, 1]) > 0.9
+
+
 @pytest.mark.parametrize("leaf_size", [8, 16])
 @pytest.mark.parametrize("data", [*SETS, "duplicates"])
 def test_index_of_any_leaf_size_gives_the_reference_answers(

@@ -96,8 +96,9 @@ __device__ __forceinline__ double metres(double ax, double ay, double az, double
     return radius * atan2(sqrt(cx * cx + cy * cy + cz * cz), dot);
 }
 
-__device__ __forceinline__ bool less_key(double d, int r, double bd, int br) {
-    return d < bd || (d == bd && r < br);
+// The row of the point at position p of the index (kept in the float32 point's w).
+__device__ __forceinline__ int row_at(const float4* __restrict__ pts, long long p) {
+    return __float_as_int(pts[p].w);
 }
 
 // The query searched t-th: the low bits of the t-th sorted word (sort_words), or t
@@ -226,7 +227,8 @@ extern "C" __global__ void sort_words(const double* __restrict__ lat,
 // side by side (`ll`: one 16-byte load a point, 0.37 ms at 10M points on an H200, against
 // 0.59 from separate lat and lon arrays). With leaves of 8 (lo non-null), each aligned
 // group of 8 lanes holds one leaf and also writes its box (see leaf_boxes). Each row's
-// position is written apart (rank_of): scattered stores in this kernel doubled its time.
+// position is written apart, when first needed (rank_of): scattered stores in this kernel
+// doubled its time.
 extern "C" __global__ void pack_points(const double2* __restrict__ ll,
                                        const unsigned long long* __restrict__ words,
                                        unsigned long long row_mask, long long n,
@@ -268,7 +270,7 @@ extern "C" __global__ void pack_points(const double2* __restrict__ ll,
     }
 }
 
-// Each row's position in key order: the inverse of rows.
+// Each row's position in key order: the inverse of rows (computed when first needed).
 extern "C" __global__ void rank_of(const int* __restrict__ rows, long long n,
                                    int* __restrict__ rank) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -443,22 +445,38 @@ __device__ __forceinline__ void set_batch_base(unsigned long long* bases, int le
     }
 }
 
+// KNN, one thread a query. Slots hold positions and rank by (squared chord, row). The
+// fast pass (TIES false) ranks equal squared chords by when they were found, and notes
+// every query where that could matter (a point equal to the last slot turned away or
+// pushed out, or two equal slots at the end) in `ties`; the exact pass (TIES true) then
+// searches those queries again, reading rows to break the ties. Ties are rare outside
+// duplicated points; with the row reads in its insertion, one pass took 1.1-1.2x as long
+// as the fast pass on an H200 (more spills). The exact pass is launched over all queries
+// and stops at once past the count of tied ones.
 // Six blocks of 128 threads per multiprocessor for k <= 10 (at most 80 registers:
 // 15% faster than the compiler's choice at k = 10 on an H200).
-template <int K>
+template <int K, bool TIES>
 __global__ void __launch_bounds__(128, K <= 10 ? 6 : 1)
 knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
-    const int* __restrict__ rank, const float4* __restrict__ lo,
+    const float4* __restrict__ lo,
     const float4* __restrict__ hi, const long long* __restrict__ level_start,
     const long long* __restrict__ level_count, int top_level, int leaf_size,
     long long n_points, const double* __restrict__ q_lat, const double* __restrict__ q_lon,
     const unsigned long long* __restrict__ q_words, unsigned long long q_mask,
     long long n_queries, int k, double bound_sq,
     double max_m, double radius, long long* __restrict__ out_idx,
-    double* __restrict__ out_dist) {
+    double* __restrict__ out_dist, long long* __restrict__ ties,
+    unsigned long long* __restrict__ n_ties) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= n_queries) return;
-    const long long qi = query_of(q_words, q_mask, t);
+    long long qi;
+    if (TIES) {
+        if (t >= (long long)*n_ties) return;
+        qi = ties[t];
+    } else {
+        if (t >= n_queries) return;
+        qi = query_of(q_words, q_mask, t);
+    }
+    bool tied = false;  // the fast pass: this query needs the exact one
     double qx, qy, qz;
     unit_vector(q_lat[qi], q_lon[qi], &qx, &qy, &qz);
     const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
@@ -494,28 +512,46 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
                 const float4 p = pts[i];
                 const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
                 if (dx * dx + dy * dy + dz * dz > thr) continue;
-                const int row = __float_as_int(p.w);
                 const double px = sxyz[3 * i], py = sxyz[3 * i + 1], pz = sxyz[3 * i + 2];
                 const double ex = qx - px, ey = qy - py, ez = qz - pz;
                 const double e2 = ex * ex + ey * ey + ez * ez;
-                if (!less_key(e2, row, bd[K - 1], bi[K - 1]) || e2 > bound_sq) continue;
-                if (has_max && metres(qx, qy, qz, px, py, pz, radius) > max_m) continue;
+                if (e2 > bd[K - 1] || e2 > bound_sq) continue;
                 // Compared with every slot at once (no chain of comparisons): 1.1x faster
                 // on an H200. lt is false below the insertion point and true from it on.
                 bool lt[K];
 #pragma unroll
-                for (int j = 0; j < K; ++j) lt[j] = less_key(e2, row, bd[j], bi[j]);
+                for (int j = 0; j < K; ++j) lt[j] = e2 < bd[j];
+                if (TIES) {
+                    bool tie = false;
+#pragma unroll
+                    for (int j = 0; j < K; ++j) tie |= e2 == bd[j];
+                    if (tie) {
+                        const int row = __float_as_int(p.w);
+#pragma unroll
+                        for (int j = 0; j < K; ++j) {
+                            if (e2 == bd[j]) lt[j] = row < row_at(pts, bi[j]);
+                        }
+                    }
+                }
+                if (!lt[K - 1]) {
+                    tied |= !TIES && e2 == bd[K - 1];
+                    continue;
+                }
+                if (has_max && metres(qx, qy, qz, px, py, pz, radius) > max_m) continue;
+                const double last = bd[K - 1];
+                const int pos = (int)i;
 #pragma unroll
                 for (int j = K - 1; j > 0; --j) {
                     if (lt[j]) {
                         bd[j] = lt[j - 1] ? bd[j - 1] : e2;
-                        bi[j] = lt[j - 1] ? bi[j - 1] : row;
+                        bi[j] = lt[j - 1] ? bi[j - 1] : pos;
                     }
                 }
                 if (lt[0]) {
                     bd[0] = e2;
-                    bi[0] = row;
+                    bi[0] = pos;
                 }
+                tied |= !TIES && bd[K - 1] == last && last < INF_D;
                 thr = prune_threshold(fmin(bd[K - 1], bound_sq));
             }
         } else {
@@ -539,14 +575,18 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
             }
         }
     }
+    if (!TIES) {
+#pragma unroll
+        for (int j = 1; j < K; ++j) tied |= bd[j] == bd[j - 1] && bd[j] > -INF_D && bd[j] < INF_D;
+        if (tied) ties[atomicAdd(n_ties, 1ULL)] = qi;
+    }
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         if (j >= K - k) {
             const long long o = qi * k + (j - (K - k));
-            const int row = bi[j];
-            if (row >= 0) {
-                const long long p = rank[row];
-                out_idx[o] = row;
+            const long long p = bi[j];
+            if (p >= 0) {
+                out_idx[o] = row_at(pts, p);
                 out_dist[o] = metres(qx, qy, qz, sxyz[3 * p], sxyz[3 * p + 1],
                                      sxyz[3 * p + 2], radius);
             } else {
