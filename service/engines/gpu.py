@@ -23,8 +23,10 @@ Queries are sorted by the same key, so that neighbouring queries walk one region
   kept sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
   float64 distances. A fast pass ranks equal distances by when they were found and lists
   the queries where that could matter; an exact pass searches those again, ranking ties
-  by row. Large query sets go in slices on streams of their own, so that one slice's
-  results copy back while the next is searched.
+  by row. The kernel writes the answers straight into page-locked host memory, a warp's
+  queries at a time (no copy after the search); large query sets go in slices on
+  streams of their own, so that one slice is uploaded and sorted while another is
+  searched.
 - Radius, one group of 8 lanes a query (testing a node's 8 children or a leaf's 8 points
   at once): the same search with a fixed bound, counting first, then writing each
   query's neighbours into its slot and sorting them.
@@ -83,9 +85,9 @@ MAX_TREE_K = REGISTER_K[-1]
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
 #: Large KNN query sets are searched in up to KNN_CHUNKS slices of at least KNN_CHUNK
-#: queries, each on its own stream, so that results copy back while the next slice is
-#: searched (10M points, 1M queries on an H200: 9.97 -> 7.00 ms end to end with 4; no
-#: gain at 100k queries, where one search is a single wave).
+#: queries, each on its own stream, so that one slice is uploaded and sorted while
+#: another is searched (10M points, 1M queries on an H200: 9.31 -> 7.69 ms end to end
+#: with 4; no gain at 100k queries, where one search is a single wave).
 KNN_CHUNK = 250_000
 KNN_CHUNKS = 4
 #: Radius answers of at most this many neighbours per query are sorted by the search
@@ -162,9 +164,9 @@ def _side_streams(count: int) -> list[cp.cuda.Stream]:
 
 
 def _query_chunks(n: int) -> list[tuple[int, int]]:
-    """Slices of ``n`` queries searched on streams of their own, so that one slice's
-    results travel to the host while the next is searched (``KNN_CHUNK`` queries at
-    least, ``KNN_CHUNKS`` at most; one slice below two chunks)."""
+    """Slices of ``n`` queries searched on streams of their own, so that one slice is
+    prepared while another is searched (``KNN_CHUNK`` queries at least, ``KNN_CHUNKS`` at
+    most; one slice below two chunks)."""
     count = max(1, min(KNN_CHUNKS, n // KNN_CHUNK))
     bounds = [n * c // count for c in range(count + 1)]
     return list(itertools.pairwise(bounds))
@@ -418,40 +420,57 @@ class GPUIndex(PointIndex):
         n_q, kk = int(np.shape(lat)[0]), min(int(k), self.n_points)
         if kk <= 0 or n_q == 0 or (max_distance_m is not None and max_distance_m < 0):
             return Neighbours(np.full((n_q, max(kk, 0)), np.inf), np.full((n_q, max(kk, 0)), -1))
-        chunks = _query_chunks(n_q)
-        if len(chunks) == 1:
-            dist, idx = self.knn_device(_Queries(lat, lon), kk, max_distance_m)
-            return Neighbours(distances_m=_to_host(dist), indices=_to_host(idx))
+        # The search kernel writes the answers straight into page-locked host memory.
         out_dist = cupyx.empty_pinned((n_q, kk), dtype=np.float64)
         out_idx = cupyx.empty_pinned((n_q, kk), dtype=np.int64)
+        chunks = _query_chunks(n_q)
         streams = _side_streams(len(chunks))
         ready = cp.cuda.get_current_stream().record()  # the index, built on this stream
-        for (start, stop), stream in zip(chunks, streams, strict=True):
-            stream.wait_event(ready)
-            with stream:
-                queries = _Queries(lat[start:stop], lon[start:stop])
-                dist, idx = self.knn_device(queries, kk, max_distance_m)
-                dist.get(out=out_dist[start:stop], blocking=False)
-                idx.get(out=out_idx[start:stop], blocking=False)
-        for stream in streams:
-            stream.synchronize()
+        try:
+            for (start, stop), stream in zip(chunks, streams, strict=True):
+                stream.wait_event(ready)
+                with stream:
+                    queries = _Queries(lat[start:stop], lon[start:stop])
+                    host_out = (out_dist[start:stop], out_idx[start:stop])
+                    self.knn_device(queries, kk, max_distance_m, host_out)
+        finally:  # also on an error: no kernel may go on writing into freed memory
+            for stream in streams:
+                stream.synchronize()
         return Neighbours(distances_m=out_dist, indices=out_idx)
 
     def knn_device(
-        self, queries: _Queries, k: int, max_distance_m: float | None
-    ) -> tuple[cp.ndarray, cp.ndarray]:
-        """(distances_m, rows), each (n_queries, k), on the device; 1 <= k <= n_points."""
+        self,
+        queries: _Queries,
+        k: int,
+        max_distance_m: float | None,
+        host_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[Any, Any]:
+        """(distances_m, rows), each (n_queries, k), 1 <= k <= n_points: device arrays, or
+        ``host_out`` (page-locked host arrays, C-contiguous) filled once the current
+        stream gets there."""
         bounded = max_distance_m is not None and max_distance_m < math.pi * self.earth_radius_m
         if k > MAX_TREE_K:
-            return self._knn_brute(queries, k, max_distance_m if bounded else None)
+            dist, idx = self._knn_brute(queries, k, max_distance_m if bounded else None)
+            if host_out is None:
+                return dist, idx
+            dist.get(out=host_out[0], blocking=False)
+            idx.get(out=host_out[1], blocking=False)
+            return host_out
         register_k = next(r for r in REGISTER_K if r >= k)
         bound_sq = (
             _chord_sq_bound(max_distance_m, self.earth_radius_m)
             if max_distance_m is not None and bounded
             else math.inf
         )
-        out_idx = cp.empty((queries.n, k), dtype=cp.int64)
-        out_dist = cp.empty((queries.n, k), dtype=cp.float64)
+        if host_out is None:
+            out: tuple[Any, Any] = (
+                cp.empty((queries.n, k), dtype=cp.float64),
+                cp.empty((queries.n, k), dtype=cp.int64),
+            )
+            out_dist, out_idx = out
+        else:
+            out = host_out  # the kernel reads a page-locked array's address as its own
+            out_dist, out_idx = (np.uint64(a.ctypes.data) for a in host_out)
         ties = cp.empty(queries.n, dtype=cp.int64)  # queries the exact pass searches again
         n_ties = cp.zeros(1, dtype=cp.uint64)
         args = (
@@ -472,7 +491,7 @@ class GPUIndex(PointIndex):
         # the count of tied queries, so no count travels to the host.
         for exact in ("false", "true"):
             _fn(f"knn<{register_k}, {exact}>")((_blocks(queries.n),), (_THREADS,), args)
-        return out_dist, out_idx
+        return out
 
     def _knn_brute(
         self, queries: _Queries, k: int, max_distance_m: float | None
