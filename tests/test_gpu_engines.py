@@ -474,29 +474,6 @@ def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> No
         assert copies.tolist() == list(range(copies[0], copies[0] + 6))  # together, by row
 
 
-def test_query_order_names_every_query_once_and_keeps_a_cell_together() -> None:
-    import cupy
-
-    from geonear.service.engines.gpu import _query_order
-
-    lat, lon = UNIFORM
-    lat = np.concatenate([lat, np.repeat(lat[:3], 40)])  # each of 3 points 41 times
-    lon = np.concatenate([lon, np.repeat(lon[:3], 40)])
-    order = cupy.asnumpy(_query_order(cupy.asarray(lat), cupy.asarray(lon)))
-    assert order.dtype == np.int64
-    assert sorted(order.tolist()) == list(range(lat.shape[0]))
-    position = np.empty_like(order)
-    position[order] = np.arange(order.shape[0])
-    n = UNIFORM[0].shape[0]
-    for p in range(3):  # the copies of a point share a cell (about 16 queries besides)
-        copies = position[[p, *range(n + 40 * p, n + 40 * p + 40)]]
-        assert copies.max() - copies.min() < 41 + 100
-    # neighbouring places hold neighbouring queries: far closer than random pairs
-    xyz = unit_vectors(lat, lon)[order]
-    step = np.linalg.norm(np.diff(xyz, axis=0), axis=1)
-    assert np.median(step) < 0.2 * np.median(np.linalg.norm(xyz - xyz[::-1], axis=1))
-
-
 def test_each_rows_position_is_the_inverse_of_the_index_order(gpu: Engine) -> None:
     import cupy
 

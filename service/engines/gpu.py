@@ -17,7 +17,7 @@ data is where a uniform grid fails). About 49 bytes of device memory per point, 
 included (53 once ``rank`` is computed); with cuDF the ids and attributes are held there
 too (``gpu_table``: 8 more for int64 ids).
 
-Queries are ordered by cells of the same key, so that neighbouring queries walk one region:
+Queries are sorted by the same key, so that neighbouring queries walk one region:
 
 - KNN, one CUDA thread a query: depth-first search, nearest child first, the k best
   kept sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
@@ -84,8 +84,6 @@ REGISTER_K = (1, 2, 4, 8, 10, 16, 24, 32, 64, 128)
 MAX_TREE_K = REGISTER_K[-1]
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
-#: More queries are sorted by cells of about this many (a warp's 32 in a few cells).
-QUERIES_PER_CELL = 16
 #: Large KNN query sets are searched in up to KNN_CHUNKS slices of at least KNN_CHUNK
 #: queries, each on its own stream, so that one slice is uploaded and sorted while
 #: another is searched (10M points, 1M queries on an H200: 9.31 -> 7.69 ms end to end
@@ -232,26 +230,9 @@ def _sorted_words(
     return words, np.uint64((1 << shift) - 1)
 
 
-def _query_order(lat_d: cp.ndarray, lon_d: cp.ndarray) -> cp.ndarray:
-    """The order to search queries in, int64: by cell of the index's Hilbert curve at a
-    level of about 16 queries a cell (``query_cells`` and ``query_order``: a counting
-    sort, in half the time of sorting 64-bit words, with no slower a search)."""
-    n = int(lat_d.shape[0])
-    level = max(1, min(10, round(math.log(max(n, 1) / (6 * QUERIES_PER_CELL), 4))))
-    counts = cp.zeros(6 * 4**level, dtype=cp.uint32)
-    cell = cp.empty(n, dtype=cp.uint32)
-    place = cp.empty(n, dtype=cp.uint32)
-    blocks = (_blocks(n),), (_THREADS,)
-    _fn("query_cells")(*blocks, (lat_d, lon_d, np.int64(n), np.int32(level), counts, cell, place))
-    inclusive = cp.cumsum(counts, dtype=cp.uint32)
-    order = cp.empty(n, dtype=cp.int64)
-    _fn("query_order")(*blocks, (cell, place, counts, inclusive, np.int64(n), order))
-    return order
-
-
 class _Queries:
-    """Queries in degrees on the device and the order to search them in: by cell of the
-    index's key when there are many (``order``, see ``_query_order``), else as given.
+    """Queries in degrees on the device and the order to search them in: by the index's
+    key when there are many (``words``, see ``_sorted_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
     query's unit vector themselves.
@@ -260,11 +241,14 @@ class _Queries:
     def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
         self.lat, self.lon = _degrees_device(lat, lon)
         self.n = n = int(self.lat.shape[0])
-        self.order = _query_order(self.lat, self.lon) if n >= SORT_QUERIES_FROM else None
+        if n < SORT_QUERIES_FROM:
+            self.words, self.mask = None, np.uint64(0)
+        else:
+            self.words, self.mask = _sorted_words(self.lat, self.lon)
 
     def kernel_args(self) -> tuple[Any, ...]:
-        order = _NULL if self.order is None else self.order
-        return (self.lat, self.lon, order, np.int64(self.n))
+        words = _NULL if self.words is None else self.words
+        return (self.lat, self.lon, words, self.mask, np.int64(self.n))
 
     def xyz_as_given(self) -> cp.ndarray:
         return unit_vectors_device(self.lat, self.lon)
