@@ -5,7 +5,7 @@ end-to-end call, raw ``cKDTree.query(workers=-1)`` without the exact re-rank, in
 build against one ``cupy.sort`` of the same number of 64-bit keys, distance matrices
 kept on the device, and 100M-point runs. Run on the GPU host:
 
-    python3 benchmarks/gpu_targets.py sweep build knn matrix kmeans big
+    python3 benchmarks/gpu_targets.py sweep build knn knnparts matrix kmeans big
 
 Every line printed is one JSON measurement (also appended to $OUT/bench.jsonl).
 """
@@ -226,6 +226,33 @@ if "knn" in sections:
                 bc = create_engine("cupy-broadcast").build_index(lat, lon)
                 ts, _ = timed(lambda: bc.knn(qlat[:2000], qlon[:2000], 10), 2)
                 log(what="cupy_broadcast_knn", n=n, nq=2000, s=min(ts), qps=2000 / min(ts))
+
+if "knnparts" in sections:  # where the 1M / 100k end-to-end KNN time goes
+    import cupyx
+
+    for kind in ("uniform", "clustered"):
+        lat, lon = data(kind, 1_000_000, 2)
+        qlat, qlon = data(kind, 100_000, 3 if kind == "uniform" else 2)
+        if kind == "clustered":
+            qlat = np.clip(qlat + 0.001, -90, 90)
+        index = gpu.build_index(lat, lon)
+        q = _Queries(qlat, qlon)
+        host = (cupyx.empty_pinned((100_000, 10)), cupyx.empty_pinned((100_000, 10), np.int64))
+        on_device = index.knn_device(q, 10, None)
+        parts = {
+            "end_to_end": lambda: index.knn(qlat, qlon, 10),
+            "upload": lambda: (cp.asarray(qlat), cp.asarray(qlon)),
+            "upload_and_sort": lambda: _Queries(qlat, qlon),
+            "search_into_device_arrays": lambda: index.knn_device(q, 10, None),
+            "search_into_host_arrays": lambda: index.knn_device(q, 10, None, host),
+            "copy_16MB_to_host": lambda: [on_device[i].get(out=host[i]) for i in (0, 1)],
+        }
+        log(
+            what="knn_1M_100k_parts_ms",
+            kind=kind,
+            **{name: round(min(timed(fn, 15)[0]) * 1e3, 4) for name, fn in parts.items()},
+        )
+        del index
 
 if "matrix" in sections:
     a = uniform_points(10_000, 5)
