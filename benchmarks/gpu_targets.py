@@ -61,15 +61,21 @@ def data(kind, n, seed):
     return uniform_points(n, seed) if kind == "uniform" else clustered_points(n, seed=seed)
 
 
+def knn_case(kind, n, nq):
+    """Points and queries of the KNN targets; clustered queries lie near the data, not on it."""
+    lat, lon = data(kind, n, 2)
+    qlat, qlon = data(kind, nq, 3 if kind == "uniform" else 2)
+    if kind == "clustered":
+        qlat = np.clip(qlat + 0.001, -90, 90)
+    return lat, lon, qlat, qlon
+
+
 if "sweep" in sections:
     from geonear.service.engines.gpu import GPUEngine
 
     best = {}
     for kind in ("uniform", "clustered"):
-        lat, lon = data(kind, 10_000_000, 2)
-        qlat, qlon = data(kind, 1_000_000, 3 if kind == "uniform" else 2)
-        if kind == "clustered":
-            qlat = np.clip(qlat + 0.001, -90, 90)
+        lat, lon, qlat, qlon = knn_case(kind, 10_000_000, 1_000_000)
         q = _Queries(qlat, qlon)
         for leaf in (8, 12, 16, 24, 32):
             eng = GPUEngine(leaf_size=leaf)
@@ -125,10 +131,7 @@ def compare(g, c):
 if "knn" in sections:
     for n, nq in ((1_000_000, 100_000), (10_000_000, 1_000_000)):
         for kind in ("uniform", "clustered"):
-            lat, lon = data(kind, n, 2)
-            qlat, qlon = data(kind, nq, 3 if kind == "uniform" else 2)
-            if kind == "clustered":  # near the data, not on it
-                qlat = np.clip(qlat + 0.001, -90, 90)
+            lat, lon, qlat, qlon = knn_case(kind, n, nq)
             index = gpu.build_index(lat, lon)
             t0 = time.perf_counter()
             first = index.knn(qlat, qlon, 10)
@@ -231,10 +234,7 @@ if "knnparts" in sections:  # where the 1M / 100k end-to-end KNN time goes
     import cupyx
 
     for kind in ("uniform", "clustered"):
-        lat, lon = data(kind, 1_000_000, 2)
-        qlat, qlon = data(kind, 100_000, 3 if kind == "uniform" else 2)
-        if kind == "clustered":
-            qlat = np.clip(qlat + 0.001, -90, 90)
+        lat, lon, qlat, qlon = knn_case(kind, 1_000_000, 100_000)
         index = gpu.build_index(lat, lon)
         q = _Queries(qlat, qlon)
         host = (cupyx.empty_pinned((100_000, 10)), cupyx.empty_pinned((100_000, 10), np.int64))
