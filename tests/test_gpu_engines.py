@@ -165,6 +165,35 @@ def test_knn_of_many_queries_in_slices_equals_one_search(
     np.testing.assert_array_equal(sliced.distances_m, whole.distances_m)
 
 
+@pytest.mark.parametrize("data", [*SETS, "duplicates", "few points"])
+def test_knn_from_warp_windows_equals_the_search_without(
+    gpu: Engine, monkeypatch: pytest.MonkeyPatch, data: str
+) -> None:
+    # Many queries among not many more points: the fast pass first searches each warp's
+    # window of leaves and skips them in the tree. With 100 points one window holds
+    # them all and the tree is not searched at all; duplicates tie at every distance.
+    from geonear.service.engines import gpu as gpu_module
+
+    if data == "duplicates":
+        points, queries = DUPLICATES, (DUPLICATES[0][:4000], DUPLICATES[1][:4000])
+    elif data == "few points":
+        points, queries = uniform_points(100, seed=35), QUERIES
+    else:
+        points, queries = SETS[data]
+    index = gpu.build_index(*points)
+    launched: list[str] = []
+    fn = gpu_module._fn
+    monkeypatch.setattr(gpu_module, "_fn", lambda name: launched.append(name) or fn(name))
+    for k in (1, 10, 16):
+        windowed = index.knn(*queries, k, max_distance_m=None if k < 16 else 500_000.0)
+        assert gpu_module._knn_name(k, exact=False, window=True) in launched
+        monkeypatch.setattr(gpu_module, "WINDOW_MAX_K", 0)
+        plain = index.knn(*queries, k, max_distance_m=None if k < 16 else 500_000.0)
+        monkeypatch.setattr(gpu_module, "WINDOW_MAX_K", 16)
+        np.testing.assert_array_equal(windowed.indices, plain.indices)
+        np.testing.assert_array_equal(windowed.distances_m, plain.distances_m)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 def test_equidistant_neighbours_are_ranked_by_row(gpu: Engine, reference: Engine, k: int) -> None:
     # Points d north and d south of an equator point lie at exactly equal float64
@@ -463,7 +492,7 @@ def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> No
     lat, lon = UNIFORM
     lat = np.concatenate([lat, np.repeat(lat[:3], 5)])  # each of 3 points 6 times
     lon = np.concatenate([lon, np.repeat(lon[:3], 5)])
-    words, mask = _sorted_words(cupy.asarray(lat), cupy.asarray(lon))
+    words, mask, _ = _sorted_words(cupy.asarray(lat), cupy.asarray(lon))
     rows = cupy.asnumpy(words & mask).astype(np.int64)
     assert sorted(rows.tolist()) == list(range(lat.shape[0]))
     position = np.empty_like(rows)

@@ -7,26 +7,31 @@ Index (built once per dataset version, ``GPUIndex``):
   the same in float32 with each point's row (``points``, (n, 4)) and the rows
   (``rows``), int32 (each row's position, ``rank``, is computed when first needed);
 - an implicit tree over the sorted points: leaves of ``leaf_size`` consecutive points and
-  nodes of ``FANOUT`` children, each with the float32 bounding box of its points.
+  nodes of ``FANOUT`` children, each with the float32 bounding box of its points, and
+  each leaf's first key (``leaf_keys``).
 
 Building is one sort of 64-bit words (key above row) plus a few passes over the points
 (10M points in 1.7x the time of one ``cupy.sort`` of 10M 64-bit keys on an H200).
 Leaves hold a fixed number of points, not a fixed volume, so the tree adapts to density:
 a city of a million points and an empty ocean cost the same number of levels (clustered
-data is where a uniform grid fails). About 49 bytes of device memory per point, index
-included (53 once ``rank`` is computed); with cuDF the ids and attributes are held there
+data is where a uniform grid fails). About 50 bytes of device memory per point, index
+included (54 once ``rank`` is computed); with cuDF the ids and attributes are held there
 too (``gpu_table``: 8 more for int64 ids).
 
 Queries are sorted by the same key, so that neighbouring queries walk one region:
 
-- KNN, one CUDA thread a query: depth-first search, nearest child first, the k best
-  kept sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
-  float64 distances. A fast pass ranks equal distances by when they were found and lists
-  the queries where that could matter; an exact pass searches those again, ranking ties
-  by row. The kernel writes the answers straight into page-locked host memory, a warp's
-  queries at a time (no copy after the search); large query sets go in slices on
-  streams of their own, so that one slice is uploaded and sorted while another is
-  searched.
+- KNN, one CUDA thread a query: depth-first search, nearest child first, the k best kept
+  sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
+  float64 distances. Where queries are about as dense as the points, each warp first
+  copies the leaves between its first and last query's keys into shared memory; there
+  each query finds its k nearest, and the tree search starts from their bound and skips
+  those leaves (at 1M points / 100k queries on an H200: 9 nodes and under one leaf a
+  query left to the tree, against 17 nodes and 11 leaves; the kernel 1.9x faster). A
+  fast pass ranks equal distances by when they were found and lists the queries where
+  that could matter; an exact pass searches those again, ranking ties by row. The kernel
+  writes the answers straight into page-locked host memory, a warp's queries at a time
+  (no copy after the search); large query sets go in slices on streams of their own, so
+  that one slice is uploaded and sorted while another is searched.
 - Radius, one group of 8 lanes a query (testing a node's 8 children or a leaf's 8 points
   at once): the same search with a fixed bound, counting first, then writing each
   query's neighbours into its slot and sorting them.
@@ -113,7 +118,22 @@ _FUSED_LEAF_SIZE = 8
 _QUERIES_PER_BLOCK = 16  # radius: GROUPS in the source, 8 lanes a query
 _MATRIX_ROWS = 64  # rows per block of the matrix kernel (MATRIX_ROWS in the source)
 
-_NAMES = [f"knn<{k}, {ties}>" for k in REGISTER_K for ties in ("false", "true")] + [
+#: The fast KNN pass starts from a warp's window of leaves (WINDOW in the source) for k up
+#: to this, with at most WINDOW_DENSITY points a query (a warp's window holds 512).
+WINDOW_MAX_K = 16
+WINDOW_DENSITY = 12
+
+
+def _knn_name(k: int, exact: bool, window: bool) -> str:
+    return f"knn<{k}, {str(exact).lower()}, {str(window).lower()}>"
+
+
+_NAMES = [
+    _knn_name(k, exact, window)
+    for k in REGISTER_K
+    for exact, window in ((False, False), (True, False), (False, True))
+    if not window or k <= WINDOW_MAX_K
+] + [
     "distance_matrix<float>",
     "distance_matrix<double>",
 ]
@@ -198,19 +218,29 @@ def unit_vectors_device(lat: np.ndarray | cp.ndarray, lon: np.ndarray | cp.ndarr
 
 
 def _sorted_words(
-    lat_d: cp.ndarray, lon_d: cp.ndarray, side_by_side: cp.ndarray | None = None
-) -> tuple[cp.ndarray, np.uint64]:
-    """Points in key order as sorted uint64 words (the ``sort_words`` kernel), and the mask
-    of the words' low bits that hold each point's row.
+    lat_d: cp.ndarray,
+    lon_d: cp.ndarray,
+    side_by_side: cp.ndarray | None = None,
+    level: int | None = None,
+) -> tuple[cp.ndarray, np.uint64, int]:
+    """Points in key order as sorted uint64 words (the ``sort_words`` kernel), the mask
+    of the words' low bits that hold each point's row, and the key's Hilbert level.
 
     The key gets every bit the rows leave (3 + 2 x 26 at most): 18 Hilbert levels a face
     at 10M points, cells of about 40 m, 15 at 2**31 points, about 300 m. Points within a
     cell are ordered by row; the order only shapes the leaves, never the answers.
-    ``side_by_side`` (n, 2) float64, if given, receives the degrees interleaved.
+    ``side_by_side`` (n, 2) float64, if given, receives the degrees interleaved. With
+    ``level`` (an index's), the key is at that level, or at the finest one that fits
+    below it by a multiple of 2 (whose keys are those of ``level`` with the low bits
+    dropped).
     """
     n = int(lat_d.shape[0])
     shift = max(1, (n - 1).bit_length())
-    level = min(26, (61 - shift) // 2)
+    fits = min(26, (61 - shift) // 2)
+    if level is None:
+        level = fits
+    elif level > fits:
+        level -= 2 * -(-(level - fits) // 2)
     words = cp.empty(n, dtype=cp.uint64)
     if n:
         _fn("sort_words")(
@@ -227,7 +257,7 @@ def _sorted_words(
             ),
         )
         words.sort()
-    return words, np.uint64((1 << shift) - 1)
+    return words, np.uint64((1 << shift) - 1), level
 
 
 class _Queries:
@@ -235,16 +265,20 @@ class _Queries:
     key when there are many (``words``, see ``_sorted_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
-    query's unit vector themselves.
+    query's unit vector themselves. Given an index's key ``level``, the key is the index's
+    (see ``_sorted_words``; ``level`` is then the one used), so that KNN's windows can
+    find a warp's leaves.
     """
 
-    def __init__(self, lat: np.ndarray, lon: np.ndarray) -> None:
+    def __init__(self, lat: np.ndarray, lon: np.ndarray, level: int | None = None) -> None:
         self.lat, self.lon = _degrees_device(lat, lon)
         self.n = n = int(self.lat.shape[0])
+        self.level: int | None = None
         if n < SORT_QUERIES_FROM:
             self.words, self.mask = None, np.uint64(0)
         else:
-            self.words, self.mask = _sorted_words(self.lat, self.lon)
+            self.words, self.mask, used = _sorted_words(self.lat, self.lon, level=level)
+            self.level = used if level is not None else None
 
     def kernel_args(self) -> tuple[Any, ...]:
         words = _NULL if self.words is None else self.words
@@ -280,7 +314,7 @@ class GPUIndex(PointIndex):
         lat_d, lon_d = _degrees_device(lat, lon)
         side_by_side = cp.empty((n, 2), dtype=cp.float64)
         # The sort first: the host prepares the rest while the device sorts.
-        words, row_mask = _sorted_words(lat_d, lon_d, side_by_side)
+        words, row_mask, self.key_level = _sorted_words(lat_d, lon_d, side_by_side)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.top_level = len(counts) - 1
         levels = cp.asarray(np.stack([starts, np.asarray(counts, dtype=np.int64)]))
@@ -292,6 +326,7 @@ class GPUIndex(PointIndex):
         self._rank_lock = threading.Lock()
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
+        self.leaf_keys = cp.empty(counts[0], dtype=cp.uint64)  # each leaf's first key
         if n:
             self._build_tree(side_by_side, words, row_mask, counts, starts)
 
@@ -319,6 +354,7 @@ class GPUIndex(PointIndex):
                 self.rows,
                 self.box_lo if fused_leaves else _NULL,
                 self.box_hi if fused_leaves else _NULL,
+                self.leaf_keys if fused_leaves else _NULL,
             ),
         )
         if not fused_leaves:
@@ -327,11 +363,14 @@ class GPUIndex(PointIndex):
                 (_THREADS,),
                 (
                     self.xyz,
+                    words,
+                    np.int32(int(row_mask).bit_length()),
                     np.int64(n),
                     np.int32(self.leaf_size),
                     np.int64(counts[0]),
                     self.box_lo,
                     self.box_hi,
+                    self.leaf_keys,
                 ),
             )
         level = 1
@@ -360,7 +399,7 @@ class GPUIndex(PointIndex):
 
     @property
     def device_bytes(self) -> int:
-        arrays = [self.xyz, self.points, self.rows, self.box_lo, self.box_hi]
+        arrays = [self.xyz, self.points, self.rows, self.box_lo, self.box_hi, self.leaf_keys]
         arrays += [] if self._rank is None else [self._rank]
         table = 0 if self.table is None else self.table.nbytes
         return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1) + table)
@@ -430,7 +469,7 @@ class GPUIndex(PointIndex):
             for (start, stop), stream in zip(chunks, streams, strict=True):
                 stream.wait_event(ready)
                 with stream:
-                    queries = _Queries(lat[start:stop], lon[start:stop])
+                    queries = _Queries(lat[start:stop], lon[start:stop], self.key_level)
                     host_out = (out_dist[start:stop], out_idx[start:stop])
                     self.knn_device(queries, kk, max_distance_m, host_out)
         finally:  # also on an error: no kernel may go on writing into freed memory
@@ -473,11 +512,25 @@ class GPUIndex(PointIndex):
             out_dist, out_idx = (np.uint64(a.ctypes.data) for a in host_out)
         ties = cp.empty(queries.n, dtype=cp.int64)  # queries the exact pass searches again
         n_ties = cp.zeros(1, dtype=cp.uint64)
+        # Low key bits the queries' level leaves out (None: queries in the order given).
+        key_drop = None if queries.level is None else 2 * (self.key_level - queries.level)
+        window = (
+            key_drop is not None
+            and register_k <= WINDOW_MAX_K
+            and queries.n * WINDOW_DENSITY >= self.n_points
+        )
+        lat_d, lon_d, words, mask, n_q = queries.kernel_args()
         args = (
             self.points,
             self.xyz,
             *self._tree_args(),
-            *queries.kernel_args(),
+            lat_d,
+            lon_d,
+            words,
+            mask,
+            self.leaf_keys,
+            np.int32(key_drop or 0),
+            n_q,
             np.int32(k),
             np.float64(bound_sq),
             np.float64(max_distance_m if bounded else -1.0),
@@ -489,8 +542,9 @@ class GPUIndex(PointIndex):
         )
         # Both passes are launched over every query; the exact one stops at once past
         # the count of tied queries, so no count travels to the host.
-        for exact in ("false", "true"):
-            _fn(f"knn<{register_k}, {exact}>")((_blocks(queries.n),), (_THREADS,), args)
+        for exact in (False, True):
+            name = _knn_name(register_k, exact, window and not exact)
+            _fn(name)((_blocks(queries.n),), (_THREADS,), args)
         return out
 
     def _knn_brute(

@@ -62,6 +62,9 @@ SOURCE = (
 #define GROUPS (128 / GROUP)    // queries per block of 128 threads
 #define STACK 72                // 7 entries per level below the top, 8 on the last
 #define WRITE_SLOTS 10          // KNN answers staged a round per query (k = 10: one)
+#define WINDOW_POINTS 512       // KNN: points of a warp's window (8 KB of shared memory)
+#define WINDOW_MARGIN 4         // KNN: leaves added to a warp's window at either end
+#define WINDOW_CAND 16          // KNN: a query's window points listed for float64
 #define INF_F __int_as_float(0x7f800000)
 #define INF_D __longlong_as_double(0x7ff0000000000000LL)
 
@@ -227,15 +230,16 @@ extern "C" __global__ void sort_words(const double* __restrict__ lat,
 // in float32 with the row as int bits (x, y, z, row), and their rows, from the degrees
 // side by side (`ll`: one 16-byte load a point, 0.37 ms at 10M points on an H200, against
 // 0.59 from separate lat and lon arrays). With leaves of 8 (lo non-null), each aligned
-// group of 8 lanes holds one leaf and also writes its box (see leaf_boxes). Each row's
-// position is written apart, when first needed (rank_of): scattered stores in this kernel
-// doubled its time.
+// group of 8 lanes holds one leaf and also writes its box and first key (see
+// leaf_boxes). Each row's position is written apart, when first needed (rank_of):
+// scattered stores in this kernel doubled its time.
 extern "C" __global__ void pack_points(const double2* __restrict__ ll,
                                        const unsigned long long* __restrict__ words,
                                        unsigned long long row_mask, long long n,
                                        double* __restrict__ sxyz, float4* __restrict__ pts,
                                        int* __restrict__ rows, float4* __restrict__ lo,
-                                       float4* __restrict__ hi) {
+                                       float4* __restrict__ hi,
+                                       unsigned long long* __restrict__ leaf_keys) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i < n;
     double x = 0.0, y = 0.0, z = 0.0;
@@ -268,6 +272,7 @@ extern "C" __global__ void pack_points(const double2* __restrict__ ll,
     if (live && (i & 7) == 0) {
         lo[i >> 3] = a;
         hi[i >> 3] = b;
+        leaf_keys[i >> 3] = words[i] >> __popcll(row_mask);
     }
 }
 
@@ -279,13 +284,17 @@ extern "C" __global__ void rank_of(const int* __restrict__ rows, long long n,
 }
 
 // Boxes of the leaves: leaf j holds points [j * leaf_size, min(n, (j + 1) * leaf_size)).
-// The float32 box is rounded outwards, so it contains its float64 points.
-extern "C" __global__ void leaf_boxes(const double* __restrict__ sxyz, long long n,
-                                      int leaf_size, long long n_leaves,
-                                      float4* __restrict__ lo, float4* __restrict__ hi) {
+// The float32 box is rounded outwards, so it contains its float64 points. Also each
+// leaf's first key: the key bits of its first sorted word (above the row's `shift` bits).
+extern "C" __global__ void leaf_boxes(const double* __restrict__ sxyz,
+                                      const unsigned long long* __restrict__ words, int shift,
+                                      long long n, int leaf_size, long long n_leaves,
+                                      float4* __restrict__ lo, float4* __restrict__ hi,
+                                      unsigned long long* __restrict__ leaf_keys) {
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n_leaves) return;
     long long s = j * leaf_size, e = min(n, s + leaf_size);
+    leaf_keys[j] = words[s] >> shift;
     float4 a = make_float4(INF_F, INF_F, INF_F, 0.f), b = make_float4(-INF_F, -INF_F, -INF_F, 0.f);
     for (long long i = s; i < e; ++i) {
         double x = sxyz[3 * i], y = sxyz[3 * i + 1], z = sxyz[3 * i + 2];
@@ -446,6 +455,100 @@ __device__ __forceinline__ void set_batch_base(unsigned long long* bases, int le
     }
 }
 
+// Offer the point at position i (float32 copy p, through the float32 test already) to a
+// query's k best: measured in float64 from the sorted points next to it and inserted if
+// it ranks among them by (squared chord, row); `thr` follows the k-th.
+template <int K, bool TIES>
+__device__ __forceinline__ void offer(const float4 p, long long i, const float4* __restrict__ pts,
+                                      const double* __restrict__ sxyz, double qx, double qy,
+                                      double qz, double bound_sq, bool has_max, double max_m,
+                                      double radius, double* bd, int* bi, bool& tied,
+                                      float& thr) {
+    const double px = sxyz[3 * i], py = sxyz[3 * i + 1], pz = sxyz[3 * i + 2];
+    const double ex = qx - px, ey = qy - py, ez = qz - pz;
+    const double e2 = ex * ex + ey * ey + ez * ez;
+    if (e2 > bd[K - 1] || e2 > bound_sq) return;
+    // Compared with every slot at once (no chain of comparisons): 1.1x faster on an
+    // H200. lt is false below the insertion point and true from it on.
+    bool lt[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) lt[j] = e2 < bd[j];
+    if (TIES) {
+        bool tie = false;
+#pragma unroll
+        for (int j = 0; j < K; ++j) tie |= e2 == bd[j];
+        if (tie) {
+            const int row = __float_as_int(p.w);
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                if (e2 == bd[j]) lt[j] = row < row_at(pts, bi[j]);
+            }
+        }
+    }
+    if (!lt[K - 1]) {
+        tied |= !TIES && e2 == bd[K - 1];
+        return;
+    }
+    if (has_max && metres(qx, qy, qz, px, py, pz, radius) > max_m) return;
+    const double last = bd[K - 1];
+    const int pos = (int)i;
+#pragma unroll
+    for (int j = K - 1; j > 0; --j) {
+        if (lt[j]) {
+            bd[j] = lt[j - 1] ? bd[j - 1] : e2;
+            bi[j] = lt[j - 1] ? bi[j - 1] : pos;
+        }
+    }
+    if (lt[0]) {
+        bd[0] = e2;
+        bi[0] = pos;
+    }
+    tied |= !TIES && bd[K - 1] == last && last < INF_D;
+    thr = prune_threshold(fmin(bd[K - 1], bound_sq));
+}
+
+// The float64 squared chord that bounds every point whose float32 squared chord is `d`
+// (the inverse of prune_threshold, with the same margins).
+__device__ __forceinline__ double chord_sq_above(float d) {
+    if (!(d < INF_F)) return INF_D;
+    const double c = sqrt((double)d) * (1.0 + MARGIN_REL) + MARGIN_ABS;
+    return c * c;
+}
+
+// The float32 squared chord of a query's k-th nearest among the n points of `win`,
+// scanned from `start` on (wrapping round), about the query's own place, so that the
+// bound tightens at once.
+template <int K>
+__device__ __forceinline__ float kth_nearest(const float4* win, int n, int start, float fx,
+                                             float fy, float fz, int k) {
+    float fk[K];  // the k nearest, sorted, after K - k sentinels
+#pragma unroll
+    for (int j = 0; j < K; ++j) fk[j] = j < K - k ? -INF_F : INF_F;
+    for (int j = 0; j < n; ++j) {
+        const int w = start + j < n ? start + j : start + j - n;
+        const float4 p = win[w];
+        const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
+        const float d2 = dx * dx + dy * dy + dz * dz;
+        if (!(d2 < fk[K - 1])) continue;
+        bool lt[K];
+#pragma unroll
+        for (int s = 0; s < K; ++s) lt[s] = d2 < fk[s];
+#pragma unroll
+        for (int s = K - 1; s > 0; --s) {
+            if (lt[s]) fk[s] = lt[s - 1] ? fk[s - 1] : d2;
+        }
+        if (lt[0]) fk[0] = d2;
+    }
+    return fk[K - 1];
+}
+
+// Whether node `node` of level `level` holds only leaves of the window [wa, wb].
+__device__ __forceinline__ bool in_window(long long node, int level, long long wa,
+                                          long long wb, long long n_leaves) {
+    const int sh = 3 * level;  // FANOUT = 8 children a node
+    return (node << sh) >= wa && min(((node + 1) << sh) - 1, n_leaves - 1) <= wb;
+}
+
 // KNN, one thread a query. Slots hold positions and rank by (squared chord, row). The
 // fast pass (TIES false) ranks equal squared chords by when they were found, and notes
 // every query where that could matter (a point equal to the last slot turned away or
@@ -454,9 +557,18 @@ __device__ __forceinline__ void set_batch_base(unsigned long long* bases, int le
 // duplicated points; with the row reads in its insertion, one pass took 1.1-1.2x as long
 // as the fast pass on an H200 (more spills). The exact pass is launched over all queries
 // and stops at once past the count of tied ones.
+//
+// With WINDOW (fast pass, queries in key order), each warp first takes the leaves
+// between its first and last query's keys (`leaf_keys`: each leaf's first key, compared
+// with `key_drop` low bits dropped, the queries' level), WINDOW_MARGIN more at either
+// end, at most WINDOW_POINTS points, into shared memory. There each query finds its k
+// nearest in float32, which bounds its k-th in float64, then measures in float64 the
+// window's points within that bound; the tree search then starts from that bound and
+// skips every subtree of window leaves. Where the window holds the k nearest, the
+// search visits only the few nodes that meet the bound.
 // Six blocks of 128 threads per multiprocessor for k <= 10 (at most 80 registers:
 // 15% faster than the compiler's choice at k = 10 on an H200).
-template <int K, bool TIES>
+template <int K, bool TIES, bool WINDOW>
 __global__ void __launch_bounds__(128, K <= 10 ? 6 : 1)
 knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     const float4* __restrict__ lo,
@@ -464,13 +576,60 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     const long long* __restrict__ level_count, int top_level, int leaf_size,
     long long n_points, const double* __restrict__ q_lat, const double* __restrict__ q_lon,
     const unsigned long long* __restrict__ q_words, unsigned long long q_mask,
+    const unsigned long long* __restrict__ leaf_keys, int key_drop,
     long long n_queries, int k, double bound_sq,
     double max_m, double radius, long long* __restrict__ out_idx,
     double* __restrict__ out_dist, long long* __restrict__ ties,
     unsigned long long* __restrict__ n_ties) {
+    // A warp's slice: its window and candidate lists, then the staging of its answers
+    // (see the end).
+    constexpr int STAGE = (32 * WRITE_SLOTS * 16 + 32 * 8) / 16;  // float4s
+    constexpr int LISTED = WINDOW_POINTS + WINDOW_CAND * 32 * 2 / 16;
+    constexpr int SLICE = WINDOW && LISTED > STAGE ? LISTED : STAGE;
+    __shared__ float4 slices[4][SLICE];
+    const int tid = threadIdx.x, lane = tid & 31;
+    float4* slice = slices[tid >> 5];
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool searching = TIES ? t < (long long)*n_ties : t < n_queries;
     const unsigned live = __ballot_sync(0xffffffffu, searching);  // a prefix of the warp
+    const long long n_leaves = level_count[0];
+    long long wa = 0, wb = -1, pa = 0;  // the window's leaves [wa, wb], from point pa
+    int wn = 0;                          // and its number of points
+    if (WINDOW && live != 0u && q_words != nullptr) {  // the whole warp, before any leaves
+        // The leaves holding the places of the warp's first and last query (keys at or
+        // below theirs, less one): lanes 0-15 search for one, 16-31 for the other, 16
+        // leaf keys a step (a 17-ary search: 5 steps over 125k leaves, not 17).
+        const int half = lane >> 4, probe = lane & 15;
+        const long long tq = half == 0 ? t - lane : min(t - lane + 31, n_queries - 1);
+        const unsigned long long key = q_words[tq] >> __popcll(q_mask);
+        long long first = 0, len = n_leaves;  // the count lies in [first, first + len]
+        while (__any_sync(0xffffffffu, len > 0)) {
+            const long long stride = (len + 16) / 17, j = first + (probe + 1) * stride - 1;
+            const bool at_or_below =
+                len > 0 && j < first + len && (leaf_keys[j] >> key_drop) <= key;
+            const unsigned below = __ballot_sync(0xffffffffu, at_or_below) >> (16 * half);
+            const long long c = __popc(below & 0xffffu);
+            if (len > 0) {
+                const long long next = first + c * stride;
+                const long long last = c == 16 ? first + len : first + (c + 1) * stride - 1;
+                len = min(first + len, last) - next;
+                first = next;
+            }
+        }
+        const long long r0 = __shfl_sync(0xffffffffu, first, 0) - 1;
+        const long long r1 = __shfl_sync(0xffffffffu, first, 16) - 1;
+        const long long cap = WINDOW_POINTS / leaf_size;
+        wa = max(0LL, r0 - WINDOW_MARGIN);
+        wb = min(n_leaves - 1, r1 + WINDOW_MARGIN);
+        if (wb - wa + 1 > cap) {  // queries sparser than the points: the middle leaves
+            wa = max(0LL, (r0 + r1) / 2 - cap / 2);
+            wb = min(n_leaves - 1, wa + cap - 1);
+        }
+        pa = wa * leaf_size;
+        wn = wb < wa ? 0 : (int)(min(n_points, (wb + 1) * leaf_size) - pa);
+        for (int j = lane; j < wn; j += 32) slice[j] = pts[pa + j];
+        __syncwarp();
+    }
     if (!searching) return;
     const long long qi = TIES ? ties[t] : query_of(q_words, q_mask, t);
     bool tied = false;  // the fast pass: this query needs the exact one
@@ -479,6 +638,10 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     const float fx = (float)qx, fy = (float)qy, fz = (float)qz;
     const bool has_max = max_m >= 0.0;
 
+    // The window's k-th nearest in float32, before the k best take their registers.
+    const int start = (wn * lane) >> 5;  // about the query's own place in the window
+    const float window_kth = WINDOW && wn > 0 ? kth_nearest<K>(slice, wn, start, fx, fy, fz, k)
+                                              : INF_F;
     double bd[K];
     int bi[K];
 #pragma unroll
@@ -489,10 +652,40 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
     }
     float thr = prune_threshold(fmin(bd[K - 1], bound_sq));
 
+    if (WINDOW && wn > 0) {
+        // The window's points within the bound its k-th sets, measured in float64: listed
+        // first, then measured in step across the warp, so that the lanes wait on their
+        // float64 loads together, not one lane after another (measured one by one in the
+        // scan they took 46% of the kernel's time on an H200). Past WINDOW_CAND listed,
+        // the rest of the window is measured as it is scanned.
+        thr = prune_threshold(fmin(chord_sq_above(window_kth), bound_sq));
+        unsigned short* listed = reinterpret_cast<unsigned short*>(slice + WINDOW_POINTS) + lane;
+        int j = 0, n_listed = 0;
+        for (; j < wn && n_listed < WINDOW_CAND; ++j) {
+            const int w = start + j < wn ? start + j : start + j - wn;
+            const float4 p = slice[w];
+            const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
+            if (dx * dx + dy * dy + dz * dz <= thr) listed[32 * n_listed++] = (unsigned short)w;
+        }
+        for (int c = 0; c < n_listed; ++c) {
+            const int w = listed[32 * c];
+            offer<K, TIES>(slice[w], pa + w, pts, sxyz, qx, qy, qz, bound_sq, has_max, max_m,
+                           radius, bd, bi, tied, thr);
+        }
+        for (; j < wn; ++j) {
+            const int w = start + j < wn ? start + j : start + j - wn;
+            const float4 p = slice[w];
+            const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
+            if (dx * dx + dy * dy + dz * dz > thr) continue;
+            offer<K, TIES>(p, pa + w, pts, sxyz, qx, qy, qz, bound_sq, has_max, max_m, radius,
+                           bd, bi, tied, thr);
+        }
+    }
+
     unsigned long long st[STACK];
     unsigned long long bases[2] = {0ULL, 0ULL};
     st[0] = stack_entry(0.f, top_level, 0);
-    int sp = 1;
+    int sp = WINDOW && wn > 0 && in_window(0, top_level, wa, wb, n_leaves) ? 0 : 1;
     while (sp > 0) {
         const unsigned long long entry = st[--sp];
         const int level = (int)(entry >> 32) & 15;
@@ -509,47 +702,8 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
                 const float4 p = pts[i];
                 const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
                 if (dx * dx + dy * dy + dz * dz > thr) continue;
-                const double px = sxyz[3 * i], py = sxyz[3 * i + 1], pz = sxyz[3 * i + 2];
-                const double ex = qx - px, ey = qy - py, ez = qz - pz;
-                const double e2 = ex * ex + ey * ey + ez * ez;
-                if (e2 > bd[K - 1] || e2 > bound_sq) continue;
-                // Compared with every slot at once (no chain of comparisons): 1.1x faster
-                // on an H200. lt is false below the insertion point and true from it on.
-                bool lt[K];
-#pragma unroll
-                for (int j = 0; j < K; ++j) lt[j] = e2 < bd[j];
-                if (TIES) {
-                    bool tie = false;
-#pragma unroll
-                    for (int j = 0; j < K; ++j) tie |= e2 == bd[j];
-                    if (tie) {
-                        const int row = __float_as_int(p.w);
-#pragma unroll
-                        for (int j = 0; j < K; ++j) {
-                            if (e2 == bd[j]) lt[j] = row < row_at(pts, bi[j]);
-                        }
-                    }
-                }
-                if (!lt[K - 1]) {
-                    tied |= !TIES && e2 == bd[K - 1];
-                    continue;
-                }
-                if (has_max && metres(qx, qy, qz, px, py, pz, radius) > max_m) continue;
-                const double last = bd[K - 1];
-                const int pos = (int)i;
-#pragma unroll
-                for (int j = K - 1; j > 0; --j) {
-                    if (lt[j]) {
-                        bd[j] = lt[j - 1] ? bd[j - 1] : e2;
-                        bi[j] = lt[j - 1] ? bi[j - 1] : pos;
-                    }
-                }
-                if (lt[0]) {
-                    bd[0] = e2;
-                    bi[0] = pos;
-                }
-                tied |= !TIES && bd[K - 1] == last && last < INF_D;
-                thr = prune_threshold(fmin(bd[K - 1], bound_sq));
+                offer<K, TIES>(p, i, pts, sxyz, qx, qy, qz, bound_sq, has_max, max_m, radius,
+                               bd, bi, tied, thr);
             }
         } else {
             const int cl = level - 1;
@@ -568,7 +722,10 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
             // Farthest first onto the stack, so the nearest child is searched next.
 #pragma unroll
             for (int j = FANOUT - 1; j >= 0; --j) {
-                if (cd[j] <= thr && cd[j] < INF_F) st[sp++] = stack_entry(cd[j], cl, cn[j]);
+                if (cd[j] <= thr && cd[j] < INF_F &&
+                    !(WINDOW && wn > 0 && in_window(cn[j], cl, wa, wb, n_leaves))) {
+                    st[sp++] = stack_entry(cd[j], cl, cn[j]);
+                }
             }
         }
     }
@@ -577,16 +734,17 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
         for (int j = 1; j < K; ++j) tied |= bd[j] == bd[j - 1] && bd[j] > -INF_D && bd[j] < INF_D;
         if (tied) ties[atomicAdd(n_ties, 1ULL)] = qi;
     }
-    // The answers leave through shared memory, WRITE_SLOTS slots a round, so that the
-    // warp writes each query's slots as one run of consecutive words: coalesced, and
-    // few enough transfers that `knn` points out_idx and out_dist straight at
-    // page-locked host memory, written while slower warps still search (1M points,
+    // The answers leave through the warp's slice of shared memory, WRITE_SLOTS slots a
+    // round, so that the warp writes each query's slots as one run of consecutive words:
+    // coalesced, and few enough transfers that `knn` points out_idx and out_dist straight
+    // at page-locked host memory, written while slower warps still search (1M points,
     // 100k queries on an H200: 1.42 -> 1.18 ms end to end, no copy after the search).
-    __shared__ double w_dist[128 * WRITE_SLOTS];
-    __shared__ long long w_idx[128 * WRITE_SLOTS];
-    __shared__ long long w_query[128];
-    const int tid = threadIdx.x, lane = tid & 31, warp0 = tid & ~31, lanes = __popc(live);
-    w_query[tid] = qi;
+    double* w_dist = reinterpret_cast<double*>(slice);
+    long long* w_idx = reinterpret_cast<long long*>(w_dist + 32 * WRITE_SLOTS);
+    long long* w_query = w_idx + 32 * WRITE_SLOTS;
+    const int lanes = __popc(live);
+    __syncwarp(live);  // the window is read no more
+    w_query[lane] = qi;
     for (int c = 0; c < k; c += WRITE_SLOTS) {
         const int m = min(WRITE_SLOTS, k - c);
 #pragma unroll
@@ -594,7 +752,7 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
             const int s = j - (K - k) - c;
             if (s >= 0 && s < m) {
                 const long long p = bi[j];
-                const int o = tid * WRITE_SLOTS + s;
+                const int o = lane * WRITE_SLOTS + s;
                 if (p >= 0) {
                     w_idx[o] = row_at(pts, p);
                     w_dist[o] = metres(qx, qy, qz, sxyz[3 * p], sxyz[3 * p + 1],
@@ -607,7 +765,7 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
         }
         __syncwarp(live);
         for (int w = lane; w < lanes * m; w += lanes) {
-            const int q = warp0 + w / m, s = w % m;
+            const int q = w / m, s = w % m;
             const long long o = w_query[q] * k + c + s;
             out_dist[o] = w_dist[q * WRITE_SLOTS + s];
             out_idx[o] = w_idx[q * WRITE_SLOTS + s];
