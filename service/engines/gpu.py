@@ -119,7 +119,10 @@ _QUERIES_PER_BLOCK = 16  # radius: GROUPS in the source, 8 lanes a query
 _MATRIX_ROWS = 64  # rows per block of the matrix kernel (MATRIX_ROWS in the source)
 
 #: The fast KNN pass starts from a warp's window of leaves (WINDOW in the source) for k up
-#: to this, with at most WINDOW_DENSITY points a query (a warp's window holds 512).
+#: to this, with at most WINDOW_DENSITY points a query. A window holds 352 points and 3
+#: leaves either side of the warp's queries (on an H200, against 256-512 points and 2-8
+#: leaves: 1M points / 100k queries 0.35 ms uniform, 0.65 clustered; 10M / 1M 2.65 and
+#: 3.25 ms; at 512 and 4: 0.41, 0.87, 2.90, 3.71).
 WINDOW_MAX_K = 16
 WINDOW_DENSITY = 12
 

@@ -62,8 +62,8 @@ SOURCE = (
 #define GROUPS (128 / GROUP)    // queries per block of 128 threads
 #define STACK 72                // 7 entries per level below the top, 8 on the last
 #define WRITE_SLOTS 10          // KNN answers staged a round per query (k = 10: one)
-#define WINDOW_POINTS 512       // KNN: points of a warp's window (8 KB of shared memory)
-#define WINDOW_MARGIN 4         // KNN: leaves added to a warp's window at either end
+#define WINDOW_POINTS 352       // KNN: points of a warp's window (5.5 KB of shared memory)
+#define WINDOW_MARGIN 3         // KNN: leaves added to a warp's window at either end
 #define WINDOW_CAND 16          // KNN: a query's window points listed for float64
 #define INF_F __int_as_float(0x7f800000)
 #define INF_D __longlong_as_double(0x7ff0000000000000LL)
