@@ -80,6 +80,12 @@ __device__ __forceinline__ float box_dist2(float qx, float qy, float qz, float4 
     return dx * dx + dy * dy + dz * dz;
 }
 
+// float32 squared chord between a query and a point (float32 x, y, z).
+__device__ __forceinline__ float chord_sq(float qx, float qy, float qz, float4 p) {
+    const float dx = qx - p.x, dy = qy - p.y, dz = qz - p.z;
+    return dx * dx + dy * dy + dz * dz;
+}
+
 // float32 squared-chord threshold that admits every point whose float64 squared chord
 // is at most `w`.
 __device__ __forceinline__ float prune_threshold(double w) {
@@ -515,6 +521,9 @@ __device__ __forceinline__ double chord_sq_above(float d) {
     return c * c;
 }
 
+// Position i of a window of n points scanned from a start within it (i < 2 n).
+__device__ __forceinline__ int wrapped(int i, int n) { return i < n ? i : i - n; }
+
 // The float32 squared chord of a query's k-th nearest among the n points of `win`,
 // scanned from `start` on (wrapping round), about the query's own place, so that the
 // bound tightens at once.
@@ -525,10 +534,7 @@ __device__ __forceinline__ float kth_nearest(const float4* win, int n, int start
 #pragma unroll
     for (int j = 0; j < K; ++j) fk[j] = j < K - k ? -INF_F : INF_F;
     for (int j = 0; j < n; ++j) {
-        const int w = start + j < n ? start + j : start + j - n;
-        const float4 p = win[w];
-        const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
-        const float d2 = dx * dx + dy * dy + dz * dz;
+        const float d2 = chord_sq(fx, fy, fz, win[wrapped(start + j, n)]);
         if (!(d2 < fk[K - 1])) continue;
         bool lt[K];
 #pragma unroll
@@ -662,10 +668,8 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
         unsigned short* listed = reinterpret_cast<unsigned short*>(slice + WINDOW_POINTS) + lane;
         int j = 0, n_listed = 0;
         for (; j < wn && n_listed < WINDOW_CAND; ++j) {
-            const int w = start + j < wn ? start + j : start + j - wn;
-            const float4 p = slice[w];
-            const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
-            if (dx * dx + dy * dy + dz * dz <= thr) listed[32 * n_listed++] = (unsigned short)w;
+            const int w = wrapped(start + j, wn);
+            if (chord_sq(fx, fy, fz, slice[w]) <= thr) listed[32 * n_listed++] = (unsigned short)w;
         }
         for (int c = 0; c < n_listed; ++c) {
             const int w = listed[32 * c];
@@ -673,10 +677,9 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
                            radius, bd, bi, tied, thr);
         }
         for (; j < wn; ++j) {
-            const int w = start + j < wn ? start + j : start + j - wn;
+            const int w = wrapped(start + j, wn);
             const float4 p = slice[w];
-            const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
-            if (dx * dx + dy * dy + dz * dz > thr) continue;
+            if (chord_sq(fx, fy, fz, p) > thr) continue;
             offer<K, TIES>(p, pa + w, pts, sxyz, qx, qy, qz, bound_sq, has_max, max_m, radius,
                            bd, bi, tied, thr);
         }
@@ -700,8 +703,7 @@ knn(const float4* __restrict__ pts, const double* __restrict__ sxyz,
 #pragma unroll 4
             for (long long i = s; i < e; ++i) {
                 const float4 p = pts[i];
-                const float dx = fx - p.x, dy = fy - p.y, dz = fz - p.z;
-                if (dx * dx + dy * dy + dz * dz > thr) continue;
+                if (chord_sq(fx, fy, fz, p) > thr) continue;
                 offer<K, TIES>(p, i, pts, sxyz, qx, qy, qz, bound_sq, has_max, max_m, radius,
                                bd, bi, tied, thr);
             }
