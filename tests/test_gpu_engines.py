@@ -503,6 +503,27 @@ def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> No
         assert copies.tolist() == list(range(copies[0], copies[0] + 6))  # together, by row
 
 
+@pytest.mark.parametrize("n", [2048, 5000, 70_000])
+def test_query_words_in_buckets_are_the_sorted_words_near_their_order(n: int) -> None:
+    import cupy
+
+    from geonear.service.engines.gpu import _sorted_words
+
+    rng = np.random.default_rng(n)
+    lat, lon = rng.uniform(-90.0, 90.0, n), rng.uniform(-180.0, 180.0, n)
+    lat[: n // 4] = 12.5  # a quarter on one point: one bucket of many words
+    lon[: n // 4] = -40.0
+    lat_d, lon_d = cupy.asarray(lat), cupy.asarray(lon)
+    exact, mask, level = _sorted_words(lat_d, lon_d, level=20)
+    near, near_mask, near_level = _sorted_words(lat_d, lon_d, level=20, nearly=True)
+    assert (near_mask, near_level) == (mask, level)
+    near_h, exact_h = cupy.asnumpy(near), cupy.asnumpy(exact)
+    np.testing.assert_array_equal(np.sort(near_h), exact_h)
+    bucket_bits = max(10, (n - 1).bit_length())
+    top = near_h >> np.uint64(3 + 2 * level + int(mask).bit_length() - bucket_bits)
+    assert np.all(np.diff(top.astype(np.int64)) >= 0)
+
+
 def test_each_rows_position_is_the_inverse_of_the_index_order(gpu: Engine) -> None:
     import cupy
 
