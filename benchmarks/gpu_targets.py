@@ -79,7 +79,7 @@ if "sweep" in sections:
         for leaf in (8, 12, 16, 24, 32):
             eng = GPUEngine(leaf_size=leaf)
             index = eng.build_index(lat, lon)
-            q = _Queries(qlat, qlon, index.key_level)
+            q = _Queries(qlat, qlon, index)
             tk, _ = timed(lambda: index.knn_device(q, 10, None), 3)
             log(what="sweep_knn_10M_1M_kernel", kind=kind, leaf=leaf, s=min(tk), qps=1e6 / min(tk))
             best[leaf] = best.get(leaf, 0) + min(tk)
@@ -138,9 +138,9 @@ if "knn" in sections:
             sync()
             cold = time.perf_counter() - t0
             ts, g = timed(lambda: index.knn(qlat, qlon, 10), 7)
-            q = _Queries(qlat, qlon, index.key_level)
+            q = _Queries(qlat, qlon, index)
             tk, _ = timed(lambda: index.knn_device(q, 10, None), 7)
-            tq, _ = timed(lambda: _Queries(qlat, qlon, index.key_level), 3)
+            tq, _ = timed(lambda: _Queries(qlat, qlon, index), 3)
             t0 = time.perf_counter()
             tree = cpu.build_index(lat, lon)
             cpu_build = time.perf_counter() - t0
@@ -237,13 +237,13 @@ if "knnparts" in sections:  # where the 1M / 100k end-to-end KNN time goes
     for kind in ("uniform", "clustered"):
         lat, lon, qlat, qlon = knn_case(kind, 1_000_000, 100_000)
         index = gpu.build_index(lat, lon)
-        q = _Queries(qlat, qlon, index.key_level)
+        q = _Queries(qlat, qlon, index)
         host = (cupyx.empty_pinned((100_000, 10)), cupyx.empty_pinned((100_000, 10), np.int64))
         on_device = index.knn_device(q, 10, None)
         parts = {
             "end_to_end": lambda: index.knn(qlat, qlon, 10),
             "upload": lambda: (cp.asarray(qlat), cp.asarray(qlon)),
-            "upload_and_sort": lambda: _Queries(qlat, qlon, index.key_level),
+            "upload_and_sort": lambda: _Queries(qlat, qlon, index),
             "search_into_device_arrays": lambda: index.knn_device(q, 10, None),
             "search_into_host_arrays": lambda: index.knn_device(q, 10, None, host),
             "copy_16MB_to_host": lambda: [on_device[i].get(out=host[i]) for i in (0, 1)],
@@ -356,7 +356,7 @@ if "big" in sections:
                 cp.random.uniform(-180, 180, 1_000_000),
             )
         ],
-        index.key_level,
+        index,
     )
     tk, _ = timed(lambda: index.knn_device(q, 10, None), 3)
     log(what="knn_100M_1M_kernel", s=min(tk), qps=1e6 / min(tk))

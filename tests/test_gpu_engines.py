@@ -504,24 +504,28 @@ def test_sort_words_name_every_row_once_and_keep_row_order_within_a_cell() -> No
 
 
 @pytest.mark.parametrize("n", [2048, 5000, 70_000])
-def test_query_words_in_buckets_are_the_sorted_words_near_their_order(n: int) -> None:
+def test_query_words_come_in_the_order_of_the_leaves_they_fall_in(gpu: Engine, n: int) -> None:
     import cupy
 
     from geonear.service.engines.gpu import _sorted_words
 
+    index = gpu.build_index(*CLUSTERED)
     rng = np.random.default_rng(n)
     lat, lon = rng.uniform(-90.0, 90.0, n), rng.uniform(-180.0, 180.0, n)
-    lat[: n // 4] = 12.5  # a quarter on one point: one bucket of many words
-    lon[: n // 4] = -40.0
+    lat[: n // 4], lon[: n // 4] = CLUSTERED[0][7], CLUSTERED[1][7]  # one leaf: many words
     lat_d, lon_d = cupy.asarray(lat), cupy.asarray(lon)
-    exact, mask, level = _sorted_words(lat_d, lon_d, level=20)
-    near, near_mask, near_level = _sorted_words(lat_d, lon_d, level=20, nearly=True)
-    assert (near_mask, near_level) == (mask, level)
-    near_h, exact_h = cupy.asnumpy(near), cupy.asnumpy(exact)
-    np.testing.assert_array_equal(np.sort(near_h), exact_h)
-    bucket_bits = max(10, (n - 1).bit_length())
-    top = near_h >> np.uint64(3 + 2 * level + int(mask).bit_length() - bucket_bits)
-    assert np.all(np.diff(top.astype(np.int64)) >= 0)
+    exact, mask, level = _sorted_words(lat_d, lon_d, level=index.key_level)
+    placed, placed_mask, placed_level = _sorted_words(
+        lat_d, lon_d, level=index.key_level, leaf_keys=index.leaf_keys
+    )
+    assert (placed_mask, placed_level) == (mask, level)
+    placed_h = cupy.asnumpy(placed)
+    np.testing.assert_array_equal(np.sort(placed_h), cupy.asnumpy(exact))
+    keys = placed_h >> np.uint64(int(mask).bit_length())
+    firsts = cupy.asnumpy(index.leaf_keys) >> np.uint64(2 * (index.key_level - level))
+    leaf = np.maximum(np.searchsorted(firsts, keys, side="right") - 1, 0)
+    assert np.all(np.diff(leaf) >= 0)
+    assert len(set(leaf[(placed_h & mask) < n // 4].tolist())) == 1
 
 
 def test_each_rows_position_is_the_inverse_of_the_index_order(gpu: Engine) -> None:

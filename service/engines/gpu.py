@@ -89,9 +89,11 @@ REGISTER_K = (1, 2, 4, 8, 10, 16, 24, 32, 64, 128)
 MAX_TREE_K = REGISTER_K[-1]
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
-#: Query sets of at most this many are put in key order by buckets (``_sorted_words``):
-#: 256 tiles of 1024 buckets (MAX_BUCKET_TILES and BUCKET_TILE in the source).
+#: Query sets of at most this many are put in the order of the leaves they fall in
+#: (``_sorted_words``), in at most 2**BUCKET_BITS buckets: 256 tiles of 1024
+#: (MAX_BUCKET_TILES and BUCKET_TILE in the source).
 BUCKET_SORT_MAX = 1 << 18
+BUCKET_BITS = 18
 _BUCKET_TILE = 1024
 #: Large KNN query sets are searched in up to KNN_CHUNKS slices of at least KNN_CHUNK
 #: queries, each on its own stream, so that one slice is uploaded and sorted while
@@ -229,7 +231,7 @@ def _sorted_words(
     lon_d: cp.ndarray,
     side_by_side: cp.ndarray | None = None,
     level: int | None = None,
-    nearly: bool = False,
+    leaf_keys: cp.ndarray | None = None,
 ) -> tuple[cp.ndarray, np.uint64, int]:
     """Points in key order as sorted uint64 words (the ``sort_words`` kernel), the mask
     of the words' low bits that hold each point's row, and the key's Hilbert level.
@@ -240,78 +242,85 @@ def _sorted_words(
     ``side_by_side`` (n, 2) float64, if given, receives the degrees interleaved. With
     ``level`` (an index's), the key is at that level, or at the finest one that fits
     below it by a multiple of 2 (whose keys are those of ``level`` with the low bits
-    dropped). ``nearly``: up to ``BUCKET_SORT_MAX`` words are only bucketed by their top
-    bits, about one word a bucket (``bucket_place`` in the source), which is enough for
-    queries.
+    dropped). With the index's ``leaf_keys`` too, up to ``BUCKET_SORT_MAX`` words are
+    put in the order of the leaves their keys fall in, not sorted within a leaf
+    (``leaf_buckets`` in the source): enough for queries.
     """
     n = int(lat_d.shape[0])
     shift = max(1, (n - 1).bit_length())
     fits = min(26, (61 - shift) // 2)
     if level is None:
-        level = fits
+        used = fits
     elif level > fits:
-        level -= 2 * -(-(level - fits) // 2)
+        used = level - 2 * -(-(level - fits) // 2)
+    else:
+        used = level
     mask = np.uint64((1 << shift) - 1)
     words = cp.empty(n, dtype=cp.uint64)
     if n == 0:
-        return words, mask, level
-    # Buckets of the top bits: at least one tile of them, about one a word.
-    bucket_bits = max(10, (n - 1).bit_length())
-    drop = 3 + 2 * level + shift - bucket_bits
-    bucketed = nearly and n <= BUCKET_SORT_MAX
-    counts = cp.zeros(1 << bucket_bits, dtype=cp.uint32) if bucketed else None
+        return words, mask, used
+    ll = _NULL if side_by_side is None else side_by_side
     _fn("sort_words")(
         (_blocks(n),),
         (_THREADS,),
+        (lat_d, lon_d, np.int64(n), np.int32(used), np.int32(shift), words, ll),
+    )
+    if leaf_keys is None or level is None or n > BUCKET_SORT_MAX:
+        words.sort()
+        return words, mask, used
+    n_leaves = int(leaf_keys.shape[0])
+    group = max(0, (n_leaves - 1).bit_length() - BUCKET_BITS)
+    tiles = -(-(((n_leaves - 1) >> group) + 1) // _BUCKET_TILE)
+    counts = cp.zeros(tiles * _BUCKET_TILE, dtype=cp.uint32)
+    bucket = cp.empty(n, dtype=cp.uint32)
+    _fn("leaf_buckets")(
+        (_blocks(n),),
+        (_THREADS,),
         (
-            lat_d,
-            lon_d,
-            np.int64(n),
-            np.int32(level),
-            np.int32(shift),
             words,
-            _NULL if side_by_side is None else side_by_side,
-            _NULL if counts is None else counts,
-            np.int32(drop),
+            np.int64(n),
+            np.int32(shift),
+            leaf_keys,
+            np.int64(n_leaves),
+            np.int32(2 * (level - used)),
+            np.int32(group),
+            bucket,
+            counts,
         ),
     )
-    if counts is None:
-        words.sort()
-        return words, mask, level
-    tiles = counts.size // _BUCKET_TILE
     totals = cp.empty(tiles, dtype=cp.uint32)
     _fn("bucket_offsets")((tiles,), (_BUCKET_TILE,), (counts, totals))
     placed = cp.empty_like(words)
     _fn("bucket_place")(
         (_blocks(n),),
         (_THREADS,),
-        (words, np.int64(n), np.int32(drop), counts, totals, np.int32(tiles), placed),
+        (words, bucket, np.int64(n), counts, totals, np.int32(tiles), placed),
     )
-    return placed, mask, level
+    return placed, mask, used
 
 
 class _Queries:
-    """Queries in degrees on the device and the order to search them in: by the index's
-    key when there are many (``words``, nearly sorted: see ``_sorted_words``), else as
-    given.
+    """Queries in degrees on the device and the order to search them in: by an index's
+    key when there are many (``words``, in the order of its leaves: see
+    ``_sorted_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
-    query's unit vector themselves. Given an index's key ``level``, the key is the index's
-    (see ``_sorted_words``; ``level`` is then the one used), so that KNN's windows can
-    find a warp's leaves.
+    query's unit vector themselves. ``level`` is the key's level (the index's, or coarser
+    where the query count leaves fewer bits), so that KNN's windows can find a warp's
+    leaves; None where the queries are in the order given.
     """
 
-    def __init__(self, lat: np.ndarray, lon: np.ndarray, level: int | None = None) -> None:
+    def __init__(self, lat: np.ndarray, lon: np.ndarray, index: GPUIndex) -> None:
         self.lat, self.lon = _degrees_device(lat, lon)
         self.n = n = int(self.lat.shape[0])
         self.level: int | None = None
         if n < SORT_QUERIES_FROM:
             self.words, self.mask = None, np.uint64(0)
         else:
-            self.words, self.mask, used = _sorted_words(
-                self.lat, self.lon, level=level, nearly=True
+            leaf_keys = index.leaf_keys if index.n_points else None
+            self.words, self.mask, self.level = _sorted_words(
+                self.lat, self.lon, level=index.key_level, leaf_keys=leaf_keys
             )
-            self.level = used if level is not None else None
 
     def kernel_args(self) -> tuple[Any, ...]:
         words = _NULL if self.words is None else self.words
@@ -502,7 +511,7 @@ class GPUIndex(PointIndex):
             for (start, stop), stream in zip(chunks, streams, strict=True):
                 stream.wait_event(ready)
                 with stream:
-                    queries = _Queries(lat[start:stop], lon[start:stop], self.key_level)
+                    queries = _Queries(lat[start:stop], lon[start:stop], self)
                     host_out = (out_dist[start:stop], out_idx[start:stop])
                     self.knn_device(queries, kk, max_distance_m, host_out)
         finally:  # also on an error: no kernel may go on writing into freed memory
@@ -612,7 +621,7 @@ class GPUIndex(PointIndex):
                 indices=np.empty(0, dtype=np.int64),
                 distances_m=np.empty(0),
             )
-        offsets, idx, dist = self.radius_device(_Queries(lat, lon), float(radius_m))
+        offsets, idx, dist = self.radius_device(_Queries(lat, lon, self), float(radius_m))
         return RadiusNeighbours(
             offsets=_to_host(offsets), indices=_to_host(idx), distances_m=_to_host(dist)
         )

@@ -214,13 +214,10 @@ __device__ __forceinline__ unsigned long long hilbert_key(float x, float y, floa
 // the points and names them (an argsort moves an index beside each key: 1.4x the time).
 // Points with the same key keep their row order. With `ll` non-null, the degrees are
 // also written side by side, so that the gather in key order reads one 16-byte pair.
-// With `counts` non-null, each word also counts in its bucket (its bits above
-// `count_drop`; see bucket_place).
 extern "C" __global__ void sort_words(const double* __restrict__ lat,
                                       const double* __restrict__ lon, long long n, int level,
                                       int shift, unsigned long long* __restrict__ words,
-                                      double2* __restrict__ ll, unsigned* __restrict__ counts,
-                                      int count_drop) {
+                                      double2* __restrict__ ll) {
     __shared__ unsigned char table[64];  // blocks have at least 64 threads
     if (threadIdx.x < 64) table[threadIdx.x] = (unsigned char)hilbert_entry(threadIdx.x);
     __syncthreads();
@@ -231,19 +228,46 @@ extern "C" __global__ void sort_words(const double* __restrict__ lat,
     sincospif((float)la * (1.f / 180.f), &sa, &ca);
     sincospif((float)lo * (1.f / 180.f), &so, &co);
     const unsigned long long key = hilbert_key(ca * co, ca * so, sa, level, table);
-    const unsigned long long word = (key << shift) | (unsigned long long)i;
-    words[i] = word;
+    words[i] = (key << shift) | (unsigned long long)i;
     if (ll != nullptr) ll[i] = make_double2(la, lo);
-    if (counts != nullptr) atomicAdd(&counts[word >> count_drop], 1u);
 }
 
 // Queries need only be near key order (the order shapes a search's speed, never its
-// answers): their words go to buckets of their top bits, about one query a bucket, in
-// three short launches (the counts in sort_words, then the two kernels below) that the
-// host need not wait for. A full sort's dozen launches and wait took 0.12 ms at any
-// size up to 100k words on an H200. Within a bucket the order is the atomics'.
+// answers): their words go to buckets, the index leaf (or group of 2**group leaves)
+// their key falls in, in four short launches (a memset and the three kernels below)
+// that the host need not wait for. A full sort's dozen launches and wait took 0.14 ms at
+// any size from 25k to 250k words on an H200. Leaves hold equal numbers of points, so
+// buckets are as fine where the points are dense as where they are sparse (buckets of
+// the keys' top bits made clustered queries search 1.5x as long). Within a bucket the
+// order is the atomics'.
 #define BUCKET_TILE 1024  // buckets a block of bucket_offsets, one a thread
 #define MAX_BUCKET_TILES 256
+
+// Each word's bucket: the last leaf whose first key (with `key_drop` low bits dropped,
+// the words' level) is at or below the word's key, shifted right by `group`; counted.
+extern "C" __global__ void leaf_buckets(const unsigned long long* __restrict__ words,
+                                        long long n, int shift,
+                                        const unsigned long long* __restrict__ leaf_keys,
+                                        long long n_leaves, int key_drop, int group,
+                                        unsigned* __restrict__ bucket,
+                                        unsigned* __restrict__ counts) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned long long key = words[i] >> shift;
+    long long first = 0, len = n_leaves;  // the count of leaves at or below lies here
+    while (len > 0) {
+        const long long half = len >> 1;
+        if ((leaf_keys[first + half] >> key_drop) <= key) {
+            first += half + 1;
+            len -= half + 1;
+        } else {
+            len = half;
+        }
+    }
+    const unsigned b = (unsigned)(max(first - 1, 0LL) >> group);
+    bucket[i] = b;
+    atomicAdd(&counts[b], 1u);
+}
 
 // Each block: its tile of counts into offsets from the tile's first bucket, in place,
 // and the tile's total.
@@ -276,7 +300,8 @@ extern "C" __global__ void bucket_offsets(unsigned* __restrict__ counts,
 // Each word to its place: its tile's first place (the totals of the tiles before, summed
 // by each block) plus its bucket's next free offset (`next`, from bucket_offsets).
 extern "C" __global__ void bucket_place(const unsigned long long* __restrict__ words,
-                                        long long n, int drop, unsigned* __restrict__ next,
+                                        const unsigned* __restrict__ bucket, long long n,
+                                        unsigned* __restrict__ next,
                                         const unsigned* __restrict__ tile_totals,
                                         int n_tiles, unsigned long long* __restrict__ out) {
     __shared__ unsigned tile_start[MAX_BUCKET_TILES];
@@ -298,8 +323,8 @@ extern "C" __global__ void bucket_place(const unsigned long long* __restrict__ w
     __syncthreads();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const unsigned long long word = words[i], b = word >> drop;
-    out[tile_start[b / BUCKET_TILE] + atomicAdd(&next[b], 1u)] = word;
+    const unsigned b = bucket[i];
+    out[tile_start[b / BUCKET_TILE] + atomicAdd(&next[b], 1u)] = words[i];
 }
 
 // Points in key order (the sorted words of sort_words): float64 unit vectors, the same
@@ -642,8 +667,8 @@ __device__ __forceinline__ bool in_window(long long node, int level, long long w
 // window's points within that bound; the tree search then starts from that bound and
 // skips every subtree of window leaves. Where the window holds the k nearest, the
 // search visits only the few nodes that meet the bound. (Queries are only nearly in key
-// order, one bucket of about one query at a time, which the margin leaves absorb; any
-// window gives the same answers.)
+// order, by the leaf their key falls in, which the margin leaves absorb; any window
+// gives the same answers.)
 // Six blocks of 128 threads per multiprocessor for k <= 10 (at most 80 registers:
 // 15% faster than the compiler's choice at k = 10 on an H200).
 template <int K, bool TIES, bool WINDOW>
