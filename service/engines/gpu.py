@@ -128,9 +128,12 @@ _MATRIX_ROWS = 64  # rows per block of the matrix kernel (MATRIX_ROWS in the sou
 #: to this, with at most WINDOW_DENSITY points a query. A window holds 352 points and 3
 #: leaves either side of the warp's queries (on an H200, against 256-512 points and 2-8
 #: leaves: 1M points / 100k queries 0.35 ms uniform, 0.65 clustered; 10M / 1M 2.65 and
-#: 3.25 ms; at 512 and 4: 0.41, 0.87, 2.90, 3.71).
+#: 3.25 ms; at 512 and 4: 0.41, 0.87, 2.90, 3.71). Sparser queries than the window
+#: spans still gain from it: at 96 points a query, 1M points 0.40 ms with windows
+#: against 0.49 without (uniform), 0.55 against 0.58 (clustered); 10M points 1.02
+#: against 1.26, 1.04 against 1.41 (docs/benchmarks.md, twelfth run).
 WINDOW_MAX_K = 16
-WINDOW_DENSITY = 12
+WINDOW_DENSITY = 96
 
 
 def _knn_name(k: int, exact: bool, window: bool) -> str:
