@@ -89,9 +89,10 @@ REGISTER_K = (1, 2, 4, 8, 10, 16, 24, 32, 64, 128)
 MAX_TREE_K = REGISTER_K[-1]
 #: Fewer queries than this are searched in the order given (sorting would cost more).
 SORT_QUERIES_FROM = 2048
-#: Query sets of at most this many are put in the order of the leaves they fall in
-#: (``_sorted_words``), in at most 2**BUCKET_BITS buckets: 256 tiles of 1024
-#: (MAX_BUCKET_TILES and BUCKET_TILE in the source).
+#: Query sets of at most this many (the sizes measured) are put in the order of the
+#: leaves they fall in (``_sorted_words``), larger ones sorted; in at most
+#: 2**BUCKET_BITS buckets, 256 tiles of 1024 (MAX_BUCKET_TILES and BUCKET_TILE in the
+#: source).
 BUCKET_SORT_MAX = 1 << 18
 BUCKET_BITS = 18
 _BUCKET_TILE = 1024
