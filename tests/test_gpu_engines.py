@@ -165,19 +165,22 @@ def test_knn_of_many_queries_in_slices_equals_one_search(
     np.testing.assert_array_equal(sliced.distances_m, whole.distances_m)
 
 
-@pytest.mark.parametrize("data", [*SETS, "duplicates", "few points"])
+@pytest.mark.parametrize("data", [*SETS, "duplicates", "few points", "sparse queries"])
 def test_knn_from_warp_windows_equals_the_search_without(
     gpu: Engine, monkeypatch: pytest.MonkeyPatch, data: str
 ) -> None:
     # Many queries among not many more points: the fast pass first searches each warp's
     # window of leaves and skips them in the tree. With 100 points one window holds
     # them all and the tree is not searched at all; duplicates tie at every distance.
+    # With 2,048 queries among 400k points, a warp's queries span far more than a window.
     from geonear.service.engines import gpu as gpu_module
 
     if data == "duplicates":
         points, queries = DUPLICATES, (DUPLICATES[0][:4000], DUPLICATES[1][:4000])
     elif data == "few points":
         points, queries = uniform_points(100, seed=35), QUERIES
+    elif data == "sparse queries":
+        points, queries = clustered_points(400_000, seed=36), uniform_points(2048, seed=37)
     else:
         points, queries = SETS[data]
     index = gpu.build_index(*points)

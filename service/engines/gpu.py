@@ -126,15 +126,14 @@ _QUERIES_PER_BLOCK = 16  # radius: GROUPS in the source, 8 lanes a query
 _MATRIX_ROWS = 64  # rows per block of the matrix kernel (MATRIX_ROWS in the source)
 
 #: The fast KNN pass starts from a warp's window of leaves (WINDOW in the source) for k up
-#: to this, with at most WINDOW_DENSITY points a query. A window holds 352 points and 3
+#: to this, wherever the queries are in key order. A window holds 352 points and 3
 #: leaves either side of the warp's queries (on an H200, against 256-512 points and 2-8
 #: leaves: 1M points / 100k queries 0.35 ms uniform, 0.65 clustered; 10M / 1M 2.65 and
-#: 3.25 ms; at 512 and 4: 0.41, 0.87, 2.90, 3.71). Sparser queries than the window
-#: spans still gain from it: at 96 points a query, 1M points 0.40 ms with windows
-#: against 0.49 without (uniform), 0.55 against 0.58 (clustered); 10M points 1.02
-#: against 1.26, 1.04 against 1.41 (docs/benchmarks.md, twelfth run).
+#: 3.25 ms; at 512 and 4: 0.41, 0.87, 2.90, 3.71). Queries sparser than a window spans
+#: gain from it too, from 12 to 4,882 points a query on 1M and 10M points, except 1M
+#: clustered points at 122-488 points a query, 6-8% slower (docs/benchmarks.md, twelfth
+#: run).
 WINDOW_MAX_K = 16
-WINDOW_DENSITY = 96
 
 
 def _knn_name(k: int, exact: bool, window: bool) -> str:
@@ -560,11 +559,7 @@ class GPUIndex(PointIndex):
         n_ties = cp.zeros(1, dtype=cp.uint64)
         # Low key bits the queries' level leaves out (None: queries in the order given).
         key_drop = None if queries.level is None else 2 * (self.key_level - queries.level)
-        window = (
-            key_drop is not None
-            and register_k <= WINDOW_MAX_K
-            and queries.n * WINDOW_DENSITY >= self.n_points
-        )
+        window = key_drop is not None and register_k <= WINDOW_MAX_K
         lat_d, lon_d, words, mask, n_q = queries.kernel_args()
         args = (
             self.points,
