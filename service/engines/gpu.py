@@ -18,12 +18,13 @@ data is where a uniform grid fails). About 50 bytes of device memory per point, 
 included (54 once ``rank`` is computed); with cuDF the ids and attributes are held there
 too (``gpu_table``: 8 more for int64 ids).
 
-Queries are sorted by the same key, so that neighbouring queries walk one region:
+Queries are put in the order of the leaves their keys fall in (sorted where there are
+more than 2**18), so that neighbouring queries walk one region:
 
 - KNN, one CUDA thread a query: depth-first search, nearest child first, the k best kept
   sorted in registers, for k up to ``MAX_TREE_K``; above it, brute force over sorted
-  float64 distances. Where queries are about as dense as the points, each warp first
-  copies the leaves between its first and last query's keys into shared memory; there
+  float64 distances. For k up to ``WINDOW_MAX_K``, each warp first copies the leaves
+  between its first and last query's keys (352 points at most) into shared memory; there
   each query finds its k nearest, and the tree search starts from their bound and skips
   those leaves (at 1M points / 100k queries on an H200: 9 nodes and under one leaf a
   query left to the tree, against 17 nodes and 11 leaves; the kernel 1.9x faster). A
