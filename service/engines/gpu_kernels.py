@@ -269,6 +269,15 @@ extern "C" __global__ void leaf_buckets(const unsigned long long* __restrict__ w
     atomicAdd(&counts[b], 1u);
 }
 
+// The sum of v over the warp's lanes up to this one, this one included (all 32 lanes).
+__device__ __forceinline__ unsigned warp_sum_to_lane(unsigned v, int lane) {
+    for (int off = 1; off < 32; off <<= 1) {
+        const unsigned u = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off) v += u;
+    }
+    return v;
+}
+
 // Each block: its tile of counts into offsets from the tile's first bucket, in place,
 // and the tile's total.
 extern "C" __global__ void bucket_offsets(unsigned* __restrict__ counts,
@@ -277,21 +286,10 @@ extern "C" __global__ void bucket_offsets(unsigned* __restrict__ counts,
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const long long b = (long long)blockIdx.x * BUCKET_TILE + tid;
     const unsigned c = counts[b];
-    unsigned s = c;  // the warp's running sum, this bucket included
-    for (int off = 1; off < 32; off <<= 1) {
-        const unsigned v = __shfl_up_sync(0xffffffffu, s, off);
-        if (lane >= off) s += v;
-    }
+    const unsigned s = warp_sum_to_lane(c, lane);
     if (lane == 31) warp_sums[w] = s;
     __syncthreads();
-    if (w == 0) {
-        unsigned x = warp_sums[lane];
-        for (int off = 1; off < 32; off <<= 1) {
-            const unsigned v = __shfl_up_sync(0xffffffffu, x, off);
-            if (lane >= off) x += v;
-        }
-        warp_sums[lane] = x;
-    }
+    if (w == 0) warp_sums[lane] = warp_sum_to_lane(warp_sums[lane], lane);
     __syncthreads();
     counts[b] = s - c + (w > 0 ? warp_sums[w - 1] : 0u);
     if (tid == BUCKET_TILE - 1) tile_totals[blockIdx.x] = warp_sums[31];
@@ -311,11 +309,7 @@ extern "C" __global__ void bucket_place(const unsigned long long* __restrict__ w
         for (int a = 0; a < n_tiles; a += 32) {
             const int j = a + lane;
             const unsigned c = j < n_tiles ? tile_totals[j] : 0u;
-            unsigned s = c;
-            for (int off = 1; off < 32; off <<= 1) {
-                const unsigned v = __shfl_up_sync(0xffffffffu, s, off);
-                if (lane >= off) s += v;
-            }
+            const unsigned s = warp_sum_to_lane(c, lane);
             if (j < n_tiles) tile_start[j] = carry + s - c;
             carry += __shfl_sync(0xffffffffu, s, 31);
         }
