@@ -309,22 +309,24 @@ class _Queries:
     ``_sorted_words``), else as given.
 
     ``kernel_args()`` are the search kernels' query arguments; the kernels compute each
-    query's unit vector themselves. ``level`` is the key's level (the index's, or coarser
-    where the query count leaves fewer bits), so that KNN's windows can find a warp's
-    leaves; None where the queries are in the order given.
+    query's unit vector themselves. ``key_drop`` is the number of low bits of the index's
+    keys that the queries' keys leave out (where the query count leaves fewer bits), so
+    that KNN's windows can find a warp's leaves; None where the queries are in the order
+    given.
     """
 
     def __init__(self, lat: np.ndarray, lon: np.ndarray, index: GPUIndex) -> None:
         self.lat, self.lon = _degrees_device(lat, lon)
         self.n = n = int(self.lat.shape[0])
-        self.level: int | None = None
+        self.key_drop: int | None = None
         if n < SORT_QUERIES_FROM:
             self.words, self.mask = None, np.uint64(0)
         else:
             leaf_keys = index.leaf_keys if index.n_points else None
-            self.words, self.mask, self.level = _sorted_words(
+            self.words, self.mask, level = _sorted_words(
                 self.lat, self.lon, level=index.key_level, leaf_keys=leaf_keys
             )
+            self.key_drop = 2 * (index.key_level - level)
 
     def kernel_args(self) -> tuple[Any, ...]:
         words = _NULL if self.words is None else self.words
@@ -558,21 +560,14 @@ class GPUIndex(PointIndex):
             out_dist, out_idx = (np.uint64(a.ctypes.data) for a in host_out)
         ties = cp.empty(queries.n, dtype=cp.int64)  # queries the exact pass searches again
         n_ties = cp.zeros(1, dtype=cp.uint64)
-        # Low key bits the queries' level leaves out (None: queries in the order given).
-        key_drop = None if queries.level is None else 2 * (self.key_level - queries.level)
-        window = key_drop is not None and register_k <= WINDOW_MAX_K
-        lat_d, lon_d, words, mask, n_q = queries.kernel_args()
+        window = queries.key_drop is not None and register_k <= WINDOW_MAX_K
         args = (
             self.points,
             self.xyz,
             *self._tree_args(),
-            lat_d,
-            lon_d,
-            words,
-            mask,
+            *queries.kernel_args(),
             self.leaf_keys,
-            np.int32(key_drop or 0),
-            n_q,
+            np.int32(queries.key_drop or 0),
             np.int32(k),
             np.float64(bound_sq),
             np.float64(max_distance_m if bounded else -1.0),
