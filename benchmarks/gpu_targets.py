@@ -7,6 +7,8 @@ kept on the device, and 100M-point runs. Run on the GPU host:
 
     python3 benchmarks/gpu_targets.py sweep build knn knnparts matrix kmeans big
 
+``knnonce`` runs one search for a profiler (the command is in docs/benchmarks.md).
+
 Every line printed is one JSON measurement (also appended to $OUT/bench.jsonl).
 """
 
@@ -230,6 +232,17 @@ if "knn" in sections:
                 bc = create_engine("cupy-broadcast").build_index(lat, lon)
                 ts, _ = timed(lambda: bc.knn(qlat[:2000], qlon[:2000], 10), 2)
                 log(what="cupy_broadcast_knn", n=n, nq=2000, s=min(ts), qps=2000 / min(ts))
+
+if "knnonce" in sections:  # one 1M / 100k uniform search inside an NVTX range, for ncu
+    lat, lon, qlat, qlon = knn_case("uniform", 1_000_000, 100_000)
+    index = gpu.build_index(lat, lon)
+    q = _Queries(qlat, qlon, index)
+    sync()
+    cp.cuda.nvtx.RangePush("knn_once")
+    index.knn_device(q, 10, None)
+    sync()
+    cp.cuda.nvtx.RangePop()
+    del index
 
 if "knnparts" in sections:  # where the 1M / 100k end-to-end KNN time goes
     import cupyx
