@@ -90,16 +90,17 @@ class _Oversized:
 class _Call:
     """What is known about one call while it runs, for the metrics and the log line."""
 
-    __slots__ = ("dataset", "rows", "start")
+    __slots__ = ("dataset", "ended", "rows", "start")
 
     def __init__(self, dataset: str) -> None:
         self.dataset = dataset
         self.rows = 0
         self.start = time.perf_counter()
+        self.ended = False  # counted in the metrics and the log
 
 
 class _Abort(Exception):
-    """Raised by ``_ThreadContext.abort``; the call is then answered with its status."""
+    """Raised by the contexts' ``abort``; the interceptor then answers the call with its status."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(code, details)
@@ -138,6 +139,21 @@ class _ThreadContext:
 
     def invocation_metadata(self) -> Any:
         return self._metadata
+
+
+class _LoopContext:
+    """The grpc.aio context of a handler that runs on the event loop, but for ``abort``,
+    which raises like ``_ThreadContext.abort``: the interceptor counts the call before
+    its status goes out (grpc.aio's own ``abort`` sends it at once)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Abort(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 async def _in_thread(context: _ThreadContext, function: Callable[..., Any], *args: Any) -> Any:
@@ -337,7 +353,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             code = None
             try:
                 if on_loop:
-                    response = await behaviour(request, context)
+                    response = await behaviour(request, _LoopContext(context))
                 else:
                     response = await _in_thread(
                         (local := _ThreadContext(context)), behaviour, request, local
@@ -345,11 +361,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 call.rows = _rows(response)
                 return response
             except _Abort as exc:
-                code = exc.code
-                await context.abort(exc.code, exc.details)
+                await self._abort(call, rpc, context, exc.code, exc.details)
             except DeviceLost as exc:
                 code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, self._device_lost(exc))
+                await self._abort(call, rpc, context, code, self._device_lost(exc))
             except asyncio.CancelledError:
                 code = _gone(context)
                 raise
@@ -357,8 +372,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                self.admission.leave()
-                self._finish(call, rpc, context, code)
+                self._end(call, rpc, context, code)
 
         unary.__name__ = rpc
         return unary
@@ -380,11 +394,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     call.rows += _rows(response)
                     yield response
             except _Abort as exc:
-                code = exc.code
-                await context.abort(exc.code, exc.details)
+                await self._abort(call, rpc, context, exc.code, exc.details)
             except DeviceLost as exc:
                 code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, self._device_lost(exc))
+                await self._abort(call, rpc, context, code, self._device_lost(exc))
             except (asyncio.CancelledError, GeneratorExit):
                 # gRPC stopped reading: the client went away or its deadline passed.
                 code = _gone(context)
@@ -397,11 +410,31 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                self.admission.leave()
-                self._finish(call, rpc, context, code)
+                self._end(call, rpc, context, code)
 
         stream.__name__ = rpc
         return stream
+
+    def _end(self, call: _Call, rpc: str, context: Any, code: grpc.StatusCode | None) -> None:
+        """Leave admission and count the call in the metrics and the log, once."""
+        if not call.ended:
+            call.ended = True
+            self.admission.leave()
+            self._finish(call, rpc, context, code)
+
+    async def _abort(
+        self,
+        call: _Call,
+        rpc: str,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        details: str,
+    ) -> None:
+        """End the call, then answer it with ``code`` (``abort`` raises). grpc.aio's
+        ``abort`` sends the status at once, so the call is counted first: a client that
+        has seen the status finds the call in the metrics and the log."""
+        self._end(call, rpc, context, code)
+        await context.abort(code, details)
 
     def _device_lost(self, exc: DeviceLost) -> str:
         """The UNAVAILABLE message; the lifecycle stops the server so that it is restarted."""

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pyarrow as pa
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -72,6 +73,24 @@ def test_metrics_count_requests_errors_latency_rows_and_datasets(tmp_path) -> No
         assert m[("geonear_gpu_pool_used_bytes", ())] == 0  # the CPU engine has no pool
         assert m[("geonear_up", (("backend", "cpu"), ("engine", "cpu")))] == 1
         assert m[("geonear_requests_in_flight", ())] == 0
+    finally:
+        parts.stop(None)
+
+
+def test_a_failed_call_is_counted_before_its_client_sees_the_status(tmp_path) -> None:
+    # grpc.aio's abort sends the status at once: a call answered with an error must be
+    # counted before that, on the event loop (KnnCompact) and on a thread (Knn) alike.
+    parts = _start(tmp_path)
+    registry = parts.metrics.registry
+    many = np.zeros(1000)  # 1000 queries x k=5 rows: more than a compact answer holds
+    try:
+        with Client(f"127.0.0.1:{parts.port}", timeout_s=30) as client:
+            for i in range(1, 26):
+                for rpc, lat in (("KnnCompact", 0.0), ("Knn", many)):
+                    with pytest.raises(NotFound):
+                        client.knn("missing", lat, lat, k=5)
+                    labels = {"rpc": rpc, "code": "NOT_FOUND"}
+                    assert registry.get_sample_value("geonear_errors_total", labels) == i
     finally:
         parts.stop(None)
 
