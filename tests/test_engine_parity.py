@@ -196,6 +196,35 @@ def test_knn_matches_reference(engine: Engine, reference: Engine, data: str, k: 
     assert_same_neighbours(got, want, queries=queries, points=points)
 
 
+def _large_batch() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """3,000 clustered points, every tenth repeated at the point before it, and 2,000
+    queries: on points, beside them and anywhere (large batches take other code paths)."""
+    lat, lon = (a.copy() for a in CLUSTERED)
+    lat[1::10], lon[1::10] = lat[::10], lon[::10]
+    near_lat, near_lon = uniform_points(500, seed=24)
+    q_lat = np.concatenate([lat[:1000], np.clip(lat[1000:1500] + 0.02, -90, 90), near_lat])
+    q_lon = np.concatenate([lon[:1000], lon[1000:1500] - 0.02, near_lon])
+    return (lat, lon), (q_lat, q_lon)
+
+
+@pytest.mark.parametrize("k", [1, 10])
+def test_knn_of_a_large_batch_matches_reference(engine: Engine, reference: Engine, k: int) -> None:
+    points, queries = _large_batch()
+    got, want = _knn_both(engine, reference, points, queries, k)
+    assert got.indices.shape == (2000, k)
+    assert_same_neighbours(got, want, queries=queries, points=points)
+
+
+def test_cpu_knn_in_slices_equals_knn_on_one_thread() -> None:
+    from geonear.service.engines.cpu import KDTreeIndex
+
+    points, queries = _large_batch()
+    sliced = KDTreeIndex(*points, EARTH_RADIUS_M, workers=4).knn(*queries, 10)  # 4 slices
+    one_thread = KDTreeIndex(*points, EARTH_RADIUS_M, workers=1).knn(*queries, 10)
+    np.testing.assert_array_equal(sliced.indices, one_thread.indices)
+    np.testing.assert_array_equal(sliced.distances_m, one_thread.distances_m)
+
+
 @pytest.mark.parametrize("data", SETS)
 def test_knn_with_max_distance_matches_reference(
     engine: Engine, reference: Engine, data: str
