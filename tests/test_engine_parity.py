@@ -197,13 +197,14 @@ def test_knn_matches_reference(engine: Engine, reference: Engine, data: str, k: 
 
 
 def _large_batch() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """3,000 clustered points, every tenth repeated at the point before it, and 2,000
-    queries: on points, beside them and anywhere (large batches take other code paths)."""
+    """3,000 clustered points, every tenth repeated at the point before it, and 3,000
+    queries: on points, beside them and anywhere. Large batches take other code paths
+    (slices on the CPU, queries in key order and windows on the GPU)."""
     lat, lon = (a.copy() for a in CLUSTERED)
     lat[1::10], lon[1::10] = lat[::10], lon[::10]
-    near_lat, near_lon = uniform_points(500, seed=24)
-    q_lat = np.concatenate([lat[:1000], np.clip(lat[1000:1500] + 0.02, -90, 90), near_lat])
-    q_lon = np.concatenate([lon[:1000], lon[1000:1500] - 0.02, near_lon])
+    far_lat, far_lon = uniform_points(1000, seed=24)
+    q_lat = np.concatenate([lat[:1000], np.clip(lat[1000:2000] + 0.02, -90, 90), far_lat])
+    q_lon = np.concatenate([lon[:1000], lon[1000:2000] - 0.02, far_lon])
     return (lat, lon), (q_lat, q_lon)
 
 
@@ -211,7 +212,7 @@ def _large_batch() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.
 def test_knn_of_a_large_batch_matches_reference(engine: Engine, reference: Engine, k: int) -> None:
     points, queries = _large_batch()
     got, want = _knn_both(engine, reference, points, queries, k)
-    assert got.indices.shape == (2000, k)
+    assert got.indices.shape == (3000, k)
     assert_same_neighbours(got, want, queries=queries, points=points)
 
 
