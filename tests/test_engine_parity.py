@@ -10,6 +10,7 @@ distances differ by less than 1 mm; distances agree to 1 mm.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -216,14 +217,26 @@ def test_knn_of_a_large_batch_matches_reference(engine: Engine, reference: Engin
     assert_same_neighbours(got, want, queries=queries, points=points)
 
 
-def test_cpu_knn_in_slices_equals_knn_on_one_thread() -> None:
+def test_radius_of_a_large_batch_matches_reference(engine: Engine, reference: Engine) -> None:
+    points, queries = _large_batch()
+    got = engine.build_index(*points).radius(*queries, 5_000.0)
+    want = reference.build_index(*points).radius(*queries, 5_000.0)
+    assert got.offsets.shape == (3001,) and got.offsets[-1] > 3000
+    assert_same_neighbours(got, want, queries=queries, points=points)
+
+
+def test_cpu_queries_in_slices_equal_queries_on_one_thread() -> None:
     from geonear.service.engines.cpu import KDTreeIndex
 
     points, queries = _large_batch()
-    sliced = KDTreeIndex(*points, EARTH_RADIUS_M, workers=4).knn(*queries, 10)  # 4 slices
-    one_thread = KDTreeIndex(*points, EARTH_RADIUS_M, workers=1).knn(*queries, 10)
-    np.testing.assert_array_equal(sliced.indices, one_thread.indices)
-    np.testing.assert_array_equal(sliced.distances_m, one_thread.distances_m)
+    sliced = KDTreeIndex(*points, EARTH_RADIUS_M, workers=4)  # 4 slices a call
+    one_thread = KDTreeIndex(*points, EARTH_RADIUS_M, workers=1)
+    for a, b in (
+        (sliced.knn(*queries, 10), one_thread.knn(*queries, 10)),
+        (sliced.radius(*queries, 5_000.0), one_thread.radius(*queries, 5_000.0)),
+    ):
+        for field in dataclasses.fields(a):
+            np.testing.assert_array_equal(getattr(a, field.name), getattr(b, field.name))
 
 
 @pytest.mark.parametrize("data", SETS)

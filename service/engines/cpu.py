@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 from scipy.spatial import cKDTree
 
-from geonear.service.engines.base import Neighbours
+from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.host import HostEngine, HostIndex, flatten_candidates
 from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
@@ -27,20 +29,22 @@ _LEAF_SIZE = 32
 #: every call with workers != 1, which costs more than it saves on a small batch
 #: (16 queries on 1M points: 160 µs on one thread, 610 µs on two; break-even near 512).
 _THREADED_MIN_QUERIES = 512
-#: Fewest queries a slice of a KNN call (see ``KDTreeIndex.knn``).
+#: Fewest queries in a slice of a KNN or radius call (see ``KDTreeIndex._in_slices``).
 _SLICE_MIN_QUERIES = 256
+
+_T = TypeVar("_T")
 
 _slice_threads: ThreadPoolExecutor | None = None
 _slice_threads_lock = threading.Lock()
 
 
 def _thread_pool() -> ThreadPoolExecutor:
-    """The threads that search KNN slices: one a core, started once, shared by indexes."""
+    """The threads that search slices of calls: one a core, started once, shared."""
     global _slice_threads
     with _slice_threads_lock:
         if _slice_threads is None:
             _slice_threads = ThreadPoolExecutor(
-                max_workers=os.cpu_count() or 1, thread_name_prefix="geonear-knn"
+                max_workers=os.cpu_count() or 1, thread_name_prefix="geonear-slice"
             )
         return _slice_threads
 
@@ -74,25 +78,48 @@ class KDTreeIndex(HostIndex):
         n_q = lat.shape[0]
         if kk == 0 or n_q == 0:
             return Neighbours(np.full((n_q, kk), np.inf), np.full((n_q, kk), -1, np.int64))
-        # A large call is cut into slices, one a core, each searched and re-ranked on a
-        # thread of its own (the tree and NumPy's loops release the GIL), so that the
-        # exact re-ranking runs on every core too, not only the tree's search.
-        workers = self._workers_for(n_q)
-        cores = (os.cpu_count() or 1) if workers < 0 else workers
-        n_slices = max(1, min(cores, n_q // _SLICE_MIN_QUERIES))
-        if n_slices == 1:
-            return self._knn_slice(lat, lon, kk, max_distance_m)
-        ends = [n_q * s // n_slices for s in range(n_slices + 1)]
-        parts = list(
-            _thread_pool().map(
-                lambda a, b: self._knn_slice(lat[a:b], lon[a:b], kk, max_distance_m),
-                ends[:-1],
-                ends[1:],
-            )
+        parts = self._in_slices(
+            lat, lon, lambda la, lo: self._knn_slice(la, lo, kk, max_distance_m)
         )
         return Neighbours(
             np.concatenate([p.distances_m for p in parts]),
             np.concatenate([p.indices for p in parts]),
+        )
+
+    def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
+        def one_slice(la: np.ndarray, lo: np.ndarray) -> RadiusNeighbours:
+            limit = np.full(la.shape[0], radius_m)
+            query_index, rows = self._candidates(la, lo, limit, workers=1)
+            return self.exact_radius(la, lo, query_index, rows, radius_m)
+
+        parts = self._in_slices(lat, lon, one_slice)
+        if len(parts) == 1:
+            return parts[0]
+        counts = np.concatenate([np.diff(p.offsets) for p in parts])
+        offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return RadiusNeighbours(
+            offsets,
+            np.concatenate([p.indices for p in parts]),
+            np.concatenate([p.distances_m for p in parts]),
+        )
+
+    def _in_slices(
+        self, lat: np.ndarray, lon: np.ndarray, search: Callable[[np.ndarray, np.ndarray], _T]
+    ) -> list[_T]:
+        """``search`` of the queries, in slices when the call is large: one a core, each
+        on a thread of its own (the tree and NumPy's loops release the GIL), so that the
+        exact distances and their order are worked out on every core, as the tree's
+        search is."""
+        n_q = lat.shape[0]
+        workers = self._workers_for(n_q)
+        cores = (os.cpu_count() or 1) if workers < 0 else workers
+        n_slices = max(1, min(cores, n_q // _SLICE_MIN_QUERIES))
+        if n_slices == 1:
+            return [search(lat, lon)]
+        ends = [n_q * s // n_slices for s in range(n_slices + 1)]
+        return list(
+            _thread_pool().map(lambda a, b: search(lat[a:b], lon[a:b]), ends[:-1], ends[1:])
         )
 
     def _knn_slice(
@@ -114,12 +141,21 @@ class KDTreeIndex(HostIndex):
     def candidates_within(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
+        return self._candidates(lat, lon, radius_m, self._workers_for(lat.shape[0]))
+
+    def _candidates(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray, workers: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         n_q = lat.shape[0]
         if n_q == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        bounds = np.array([_chord_bound(float(r), self.earth_radius_m) for r in radius_m])
+        bounds: float | np.ndarray
+        if (radius_m == radius_m[0]).all():  # one radius for all (a radius query)
+            bounds = _chord_bound(float(radius_m[0]), self.earth_radius_m)
+        else:
+            bounds = np.array([_chord_bound(float(r), self.earth_radius_m) for r in radius_m])
         found = self.tree.query_ball_point(
-            unit_vectors(lat, lon), bounds, workers=self._workers_for(n_q), return_sorted=False
+            unit_vectors(lat, lon), bounds, workers=workers, return_sorted=False
         )
         return flatten_candidates(found, n_q)
 

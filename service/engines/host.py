@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,13 +29,15 @@ _TIE_M = 1e-6
 
 
 def flatten_candidates(found: Sequence[Any], n_queries: int) -> tuple[np.ndarray, np.ndarray]:
-    """(query_index, rows) of a tree's per-query candidate lists."""
-    counts = np.fromiter((len(f) for f in found), dtype=np.int64, count=n_queries)
-    rows = (
-        np.concatenate([np.asarray(f, dtype=np.int64) for f in found])
-        if counts.sum()
-        else np.empty(0, dtype=np.int64)
-    )
+    """(query_index, rows) of a tree's per-query candidate lists (or arrays)."""
+    counts = np.fromiter(map(len, found), dtype=np.int64, count=n_queries)
+    total = int(counts.sum())
+    if total == 0:
+        rows = np.empty(0, dtype=np.int64)
+    elif isinstance(found[0], list):  # cKDTree's: one pass, no array a query (5x faster)
+        rows = np.fromiter(itertools.chain.from_iterable(found), dtype=np.int64, count=total)
+    else:
+        rows = np.concatenate(found).astype(np.int64, copy=False)
     return np.repeat(np.arange(n_queries, dtype=np.int64), counts), rows
 
 
