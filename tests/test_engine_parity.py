@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import multiprocessing
+import os
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -237,6 +240,30 @@ def test_cpu_queries_in_slices_equal_queries_on_one_thread() -> None:
     ):
         for field in dataclasses.fields(a):
             np.testing.assert_array_equal(getattr(a, field.name), getattr(b, field.name))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_cpu_queries_in_slices_run_in_a_forked_child() -> None:
+    # The slices' threads are the parent's: a forked child must start its own.
+    from geonear.service.engines.cpu import KDTreeIndex
+
+    points, queries = _large_batch()
+    index = KDTreeIndex(*points, EARTH_RADIUS_M, workers=4)
+    want = index.knn(*queries, 10).indices  # the parent's threads are started
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=lambda: sender.send(index.knn(*queries, 10).indices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # forking a threaded process
+        child.start()
+    try:
+        assert receiver.poll(60), "the child's sliced query did not finish"
+        np.testing.assert_array_equal(receiver.recv(), want)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
 
 
 @pytest.mark.parametrize("data", SETS)

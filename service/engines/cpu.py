@@ -49,6 +49,15 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _slice_threads
 
 
+def _forget_threads() -> None:
+    """In a forked child, which has none of its parent's threads: start anew."""
+    global _slice_threads, _slice_threads_lock
+    _slice_threads, _slice_threads_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
 def _chord_bound(distance_m: float, earth_radius_m: float) -> float:
     return chord_for_distance(distance_m, earth_radius_m) * (1 + _CHORD_SLACK) + _CHORD_SLACK
 
