@@ -452,6 +452,15 @@ def test_distance_matrix_float32_within_a_few_metres(engine: Engine) -> None:
     assert np.median(error) < 1.0
 
 
+def test_distance_matrix_larger_than_a_tile_within_a_millimetre(engine: Engine) -> None:
+    # 1,500 x 3,000 pairs: more than one tile of the host engines (BLOCK_PAIRS) on any
+    # number of cores, each row in its place.
+    rows, cols = uniform_points(1500, seed=31), CLUSTERED
+    got = engine.distance_matrix(*rows, *cols, dtype="float64")
+    assert got.shape == (1500, 3000)
+    np.testing.assert_allclose(got, _reference_matrix(rows, cols), rtol=0, atol=1e-3)
+
+
 def test_distance_matrix_of_a_set_with_itself_has_a_zero_diagonal(engine: Engine) -> None:
     lat, lon = CLUSTERED[0][:100], CLUSTERED[1][:100]
     got = engine.distance_matrix(lat, lon, lat, lon)

@@ -9,16 +9,19 @@ point at the boundary is lost before the exact filter.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
 from scipy.spatial import cKDTree
 
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
-from geonear.service.engines.host import HostEngine, HostIndex, flatten_candidates
+from geonear.service.engines.host import (
+    HostEngine,
+    HostIndex,
+    flatten_candidates,
+    slice_threads,
+)
 from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
@@ -33,29 +36,6 @@ _THREADED_MIN_QUERIES = 512
 _SLICE_MIN_QUERIES = 256
 
 _T = TypeVar("_T")
-
-_slice_threads: ThreadPoolExecutor | None = None
-_slice_threads_lock = threading.Lock()
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    """The threads that search slices of calls: one a core, started once, shared."""
-    global _slice_threads
-    with _slice_threads_lock:
-        if _slice_threads is None:
-            _slice_threads = ThreadPoolExecutor(
-                max_workers=os.cpu_count() or 1, thread_name_prefix="geonear-slice"
-            )
-        return _slice_threads
-
-
-def _forget_threads() -> None:
-    """In a forked child, which has none of its parent's threads: start anew."""
-    global _slice_threads, _slice_threads_lock
-    _slice_threads, _slice_threads_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_threads)
 
 
 def _chord_bound(distance_m: float, earth_radius_m: float) -> float:
@@ -128,7 +108,7 @@ class KDTreeIndex(HostIndex):
             return [search(lat, lon)]
         ends = [n_q * s // n_slices for s in range(n_slices + 1)]
         return list(
-            _thread_pool().map(lambda a, b: search(lat[a:b], lon[a:b]), ends[:-1], ends[1:])
+            slice_threads().map(lambda a, b: search(lat[a:b], lon[a:b]), ends[:-1], ends[1:])
         )
 
     def _knn_slice(

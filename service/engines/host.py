@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,32 @@ BLOCK_PAIRS = 1 << 22
 #: Neighbours this close to the k-th one may tie with it, metres: far above float64
 #: rounding of a distance, far below the 1 mm of the exactness rule.
 _TIE_M = 1e-6
+
+
+_slice_threads: ThreadPoolExecutor | None = None
+_slice_threads_lock = threading.Lock()
+
+
+def slice_threads() -> ThreadPoolExecutor:
+    """Threads for the slices of a call (queries, matrix rows): one a core, started once,
+    shared by every host index and engine. NumPy's loops and scipy's trees release the
+    GIL, so the slices run on every core."""
+    global _slice_threads
+    with _slice_threads_lock:
+        if _slice_threads is None:
+            _slice_threads = ThreadPoolExecutor(
+                max_workers=os.cpu_count() or 1, thread_name_prefix="geonear-slice"
+            )
+        return _slice_threads
+
+
+def _forget_threads() -> None:
+    """In a forked child, which has none of its parent's threads: start anew."""
+    global _slice_threads, _slice_threads_lock
+    _slice_threads, _slice_threads_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
 
 
 def flatten_candidates(found: Sequence[Any], n_queries: int) -> tuple[np.ndarray, np.ndarray]:
@@ -206,9 +235,18 @@ class HostEngine(Engine):
         a = unit_vectors(lat1, lon1, dtype=np_dtype)
         b = unit_vectors(lat2, lon2, dtype=np_dtype)
         out = np.empty((a.shape[0], b.shape[0]), dtype=np_dtype)
-        step = max(1, BLOCK_PAIRS // max(1, b.shape[0]))
+        # Row tiles on every core, BLOCK_PAIRS pairs at once in all (the temporaries).
+        threads = os.cpu_count() or 1
+        step = max(1, BLOCK_PAIRS // threads // max(1, b.shape[0]))
         radius = np_dtype.type(self.earth_radius_m)
-        for start in range(0, a.shape[0], step):
+
+        def tile(start: int) -> None:
             block = a[start : start + step, None, :]
             out[start : start + step] = radius * angle_between(block, b[None, :, :])
+
+        starts = range(0, a.shape[0], step)
+        if len(starts) == 1:
+            tile(0)
+        else:
+            list(slice_threads().map(tile, starts))  # raises a tile's error, if any
         return out
