@@ -30,8 +30,11 @@ import numpy as np
 from geonear.service.engines.base import KMeansResult
 from geonear.service.geometry import angle_between, unit_vectors_to_latlon
 
-#: Bound on the (rows x k) similarity block held at once, in elements.
+#: Bound on the (rows x k) similarity block held at once, in elements: large on a GPU,
+#: small enough on the host to stay in cache (1M points, k = 64, 2 cores: an assignment
+#: 0.089 s in blocks of 2**24, 0.052 s in blocks of 2**20).
 _BLOCK_ELEMENTS = 1 << 24
+_HOST_BLOCK_ELEMENTS = 1 << 20
 
 ShouldStop = Callable[[], bool] | None
 
@@ -66,7 +69,7 @@ def _assign(xyz: Any, centroids: Any, xp: Any) -> Any:
     """Cluster of every point: the centroid with the largest dot product."""
     n, k = xyz.shape[0], centroids.shape[0]
     labels = xp.empty(n, dtype=xp.int32)
-    step = max(1, _BLOCK_ELEMENTS // max(k, 1))
+    step = max(1, (_HOST_BLOCK_ELEMENTS if xp is np else _BLOCK_ELEMENTS) // max(k, 1))
     for start in range(0, n, step):
         stop = min(n, start + step)
         labels[start:stop] = xp.argmax(xyz[start:stop] @ centroids.T, axis=1)
