@@ -484,6 +484,27 @@ def _nearest_centroid(lat, lon, result) -> tuple[np.ndarray, np.ndarray]:
     return np.argmin(d, axis=1), clear
 
 
+def test_kmeans_plus_plus_draws_as_if_every_point_were_measured() -> None:
+    # The seeding measures only the points a new centre may be nearer to; the draws must
+    # be those of measuring every point at every draw.
+    from geonear.service.engines import spherical_kmeans as sk
+
+    lat, lon = (np.concatenate(parts) for parts in zip(CLUSTERED, CLUSTERED, UNIFORM, strict=True))
+    xyz = unit_vectors(lat, lon)  # every clustered point twice: ties everywhere
+    for k, seed in ((1, 0), (40, 1), (200, 2)):
+        rng = np.random.default_rng(seed)
+        w = np.ones(xyz.shape[0])
+        chosen = [sk._draw(np.cumsum(w), rng, np)]
+        nearest_sq = sk.angle_between(xyz, xyz[chosen[0]][None, :]) ** 2
+        for _ in range(1, k):
+            mass = np.cumsum(w * nearest_sq)
+            chosen.append(sk._draw(mass if mass[-1] > 0 else np.cumsum(w), rng, np))
+            angle = sk.angle_between(xyz, xyz[chosen[-1]][None, :])
+            nearest_sq = np.minimum(nearest_sq, angle * angle)
+        got = sk.seed_kmeans_plus_plus(xyz, k, None, np.random.default_rng(seed), np)
+        np.testing.assert_array_equal(got, xyz[chosen])
+
+
 def test_kmeans_same_seed_same_result(engine: Engine) -> None:
     _needs_spherical_kmeans(engine)
     index = engine.build_index(*CLUSTERED)

@@ -35,6 +35,9 @@ from geonear.service.geometry import angle_between, unit_vectors_to_latlon
 #: 0.089 s in blocks of 2**24, 0.052 s in blocks of 2**20).
 _BLOCK_ELEMENTS = 1 << 24
 _HOST_BLOCK_ELEMENTS = 1 << 20
+#: A point whose dot product with a new centre is below its best so far by more than
+#: this is farther from the new centre (float64 dot products err by about 1e-15).
+_DOT_MARGIN = 1e-12
 
 ShouldStop = Callable[[], bool] | None
 
@@ -117,6 +120,15 @@ def seed_kmeans_plus_plus(
     w = xp.ones(n, dtype=xp.float64) if weights is None else weights
     chosen = [_draw(xp.cumsum(w), rng, xp)]
     nearest_sq = angle_between(xyz, xyz[chosen[0]][None, :], xp=xp) ** 2
+    # Each point's largest dot product with a centre so far: only points whose dot with
+    # a new centre comes near it can be nearer to that one, so only they are measured
+    # (the same nearest_sq as measuring every point; a draw costs half as much).
+    x, y, z = (xp.ascontiguousarray(xyz[:, d]) for d in range(3))
+
+    def dots(centre: Any) -> Any:
+        return x * centre[0] + y * centre[1] + z * centre[2]
+
+    nearest_dot = dots(xyz[chosen[0]])
     for i in range(1, k):
         if i % 16 == 0:  # each draw is one pass over the points; check now and then
             check_stop(should_stop)
@@ -124,8 +136,12 @@ def seed_kmeans_plus_plus(
         # With fewer distinct points than clusters every distance is 0: draw by weight.
         idx = _draw(mass if float(mass[-1]) > 0.0 else xp.cumsum(w), rng, xp)
         chosen.append(idx)
-        angle = angle_between(xyz, xyz[idx][None, :], xp=xp)
-        nearest_sq = xp.minimum(nearest_sq, angle * angle)
+        centre = xyz[idx]
+        dot = dots(centre)
+        near = xp.flatnonzero(dot > nearest_dot - _DOT_MARGIN)
+        angle = angle_between(xyz[near], centre[None, :], xp=xp)
+        nearest_sq[near] = xp.minimum(nearest_sq[near], angle * angle)
+        nearest_dot = xp.maximum(nearest_dot, dot)
     return xyz[xp.asarray(np.array(chosen, dtype=np.int64))].copy()
 
 
