@@ -212,11 +212,15 @@ def _large_batch() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.
     return (lat, lon), (q_lat, q_lon)
 
 
-@pytest.mark.parametrize("k", [1, 10])
-def test_knn_of_a_large_batch_matches_reference(engine: Engine, reference: Engine, k: int) -> None:
+@pytest.mark.parametrize(("k", "max_distance_m"), [(1, None), (10, None), (10, 20_000.0)])
+def test_knn_of_a_large_batch_matches_reference(
+    engine: Engine, reference: Engine, k: int, max_distance_m: float | None
+) -> None:
     points, queries = _large_batch()
-    got, want = _knn_both(engine, reference, points, queries, k)
+    got, want = _knn_both(engine, reference, points, queries, k, max_distance_m)
     assert got.indices.shape == (3000, k)
+    if max_distance_m is not None:  # some find fewer than k; queries on points, those
+        assert (got.indices == -1).any() and (got.indices[:1000, 0] >= 0).all()
     assert_same_neighbours(got, want, queries=queries, points=points)
 
 
