@@ -8,7 +8,6 @@ point at the boundary is lost before the exact filter.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -17,6 +16,7 @@ from scipy.spatial import cKDTree
 
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.host import (
+    SLICE_THREADS,
     HostEngine,
     HostIndex,
     flatten_candidates,
@@ -102,7 +102,7 @@ class KDTreeIndex(HostIndex):
         search is."""
         n_q = lat.shape[0]
         workers = self._workers_for(n_q)
-        cores = (os.cpu_count() or 1) if workers < 0 else workers
+        cores = SLICE_THREADS if workers < 0 else workers
         n_slices = max(1, min(cores, n_q // _SLICE_MIN_QUERIES))
         if n_slices == 1:
             return [search(lat, lon)]

@@ -31,6 +31,9 @@ BLOCK_PAIRS = 1 << 22
 _TIE_M = 1e-6
 
 
+#: Threads of ``slice_threads``, one a core: the most slices a call is worth cutting into.
+SLICE_THREADS = os.cpu_count() or 1
+
 _slice_threads: ThreadPoolExecutor | None = None
 _slice_threads_lock = threading.Lock()
 
@@ -43,7 +46,7 @@ def slice_threads() -> ThreadPoolExecutor:
     with _slice_threads_lock:
         if _slice_threads is None:
             _slice_threads = ThreadPoolExecutor(
-                max_workers=os.cpu_count() or 1, thread_name_prefix="geonear-slice"
+                max_workers=SLICE_THREADS, thread_name_prefix="geonear-slice"
             )
         return _slice_threads
 
@@ -236,8 +239,7 @@ class HostEngine(Engine):
         b = unit_vectors(lat2, lon2, dtype=np_dtype)
         out = np.empty((a.shape[0], b.shape[0]), dtype=np_dtype)
         # Row tiles on every core, BLOCK_PAIRS pairs at once in all (the temporaries).
-        threads = os.cpu_count() or 1
-        step = max(1, BLOCK_PAIRS // threads // max(1, b.shape[0]))
+        step = max(1, BLOCK_PAIRS // SLICE_THREADS // max(1, b.shape[0]))
         radius = np_dtype.type(self.earth_radius_m)
 
         def tile(start: int) -> None:
