@@ -31,6 +31,7 @@ from geonear.service.engines import (
     create_engine,
     engine_names,
 )
+from geonear.service.engines.base import sort_radius
 from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 REFERENCE = "numpy-brute"
@@ -291,6 +292,29 @@ def test_radius_matches_reference(
     want = reference.build_index(*points).radius(*queries, radius_m)
     assert_same_neighbours(got, want, queries=queries, points=points)
     assert np.all(got.distances_m <= radius_m)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "mixed"])
+def test_radius_answers_are_ordered_by_query_distance_and_row(grouped: bool) -> None:
+    # The reference shares sort_radius, so it is checked here against the definition:
+    # pairs in many blocks of whole queries, with equal distances in some of them.
+    rng = np.random.default_rng(7)
+    n_queries, n_pairs = 900, 60_000
+    query_index = rng.integers(0, n_queries, n_pairs)
+    if grouped:
+        query_index.sort()
+    rows = rng.permutation(n_pairs).astype(np.int64)
+    distances_m = rng.uniform(0.0, 5_000.0, n_pairs)
+    some = rng.random(n_pairs) < 0.05
+    distances_m[some] = np.round(distances_m[some] / 500.0) * 500.0
+
+    got = sort_radius(query_index, rows, distances_m, n_queries)
+
+    order = np.lexsort((rows, distances_m, query_index))
+    counts = np.bincount(query_index, minlength=n_queries)
+    np.testing.assert_array_equal(got.offsets, np.concatenate([[0], np.cumsum(counts)]))
+    np.testing.assert_array_equal(got.indices, rows[order])
+    np.testing.assert_array_equal(got.distances_m, distances_m[order])
 
 
 def test_radius_zero_finds_a_query_on_top_of_points(engine: Engine) -> None:

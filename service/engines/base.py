@@ -221,20 +221,41 @@ def sort_neighbours(distances_m: np.ndarray, indices: np.ndarray) -> tuple[np.nd
     )
 
 
+#: Pairs sorted at once by ``sort_radius`` where they come grouped by query: blocks of
+#: whole queries this large sort in cache (3.2M pairs: 0.97 s as one block, 0.24 s).
+_RADIUS_SORT_BLOCK = 1024
+
+
 def sort_radius(
     query_index: np.ndarray, indices: np.ndarray, distances_m: np.ndarray, n_queries: int
 ) -> RadiusNeighbours:
     """Build the compressed-row radius answer, sorted by (query, distance, row)."""
-    # By (query, distance) first; rows are a third key only where a query has two equal
-    # distances (1.6x faster where none does: 3.2M pairs 1.52 -> 0.91 s).
-    order = np.lexsort((distances_m, query_index))
-    dist, query = distances_m[order], query_index[order]
-    if np.any((dist[1:] == dist[:-1]) & (query[1:] == query[:-1])):
-        order = np.lexsort((indices, distances_m, query_index))
-        dist = distances_m[order]
     counts = np.bincount(query_index, minlength=n_queries)
     offsets = np.zeros(n_queries + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
+    total = int(offsets[-1])
+    if np.all(query_index[1:] >= query_index[:-1]):  # grouped by query, as trees give them
+        targets = np.arange(0, total, _RADIUS_SORT_BLOCK)
+        starts = offsets[np.searchsorted(offsets, targets, side="right") - 1]
+        bounds = np.unique(np.append(starts, total))
+    else:
+        bounds = np.array([0, total])
+    order = np.empty(total, dtype=np.int64)
+
+    def sort_block(b: int, keys: tuple[np.ndarray, ...]) -> None:
+        lo, hi = bounds[b], bounds[b + 1]
+        order[lo:hi] = np.lexsort(tuple(key[lo:hi] for key in keys)) + lo
+
+    # By (query, distance) first; rows are a third key only in the blocks where a query
+    # has two equal distances (1.6x faster where none does).
+    for b in range(bounds.shape[0] - 1):
+        sort_block(b, (distances_m, query_index))
+    dist, query = distances_m[order], query_index[order]
+    tied = np.flatnonzero((dist[1:] == dist[:-1]) & (query[1:] == query[:-1]))
+    if tied.size:
+        for b in np.unique(np.searchsorted(bounds, tied, side="right") - 1):
+            sort_block(int(b), (indices, distances_m, query_index))
+        dist = distances_m[order]
     return RadiusNeighbours(
         offsets=offsets,
         indices=indices[order].astype(np.int64, copy=False),
