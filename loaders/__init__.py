@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from geonear.loaders.bundled import BUNDLED, DATA_SETS, load_bundled
 from geonear.loaders.columns import ColumnError, ColumnMapping, detect_columns
+from geonear.loaders.point_geometry import decode_wkb_points
 from geonear.loaders.points import (
     LoadResult,
     PointStream,
@@ -18,7 +19,8 @@ from geonear.loaders.points import (
     read_query_points,
     upload_points,
 )
-from geonear.loaders.readers import FORMATS, Source, decode_wkb_points, open_source
+from geonear.loaders.readers import FORMATS, open_source
+from geonear.loaders.source import Source
 from geonear.loaders.synthetic import (
     clustered_points,
     generate_points,

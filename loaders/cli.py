@@ -26,7 +26,8 @@ from rich.progress import (
 
 from geonear.loaders.bundled import DATA_SETS
 from geonear.loaders.points import PointStream, upload_points
-from geonear.loaders.readers import BATCH_ROWS, FORMATS
+from geonear.loaders.readers import FORMATS
+from geonear.loaders.source import BATCH_ROWS
 from geonear.loaders.synthetic import write_points
 from geonear.loaders.writers import WRITE_FORMATS
 

@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from geonear.loaders.columns import ColumnError, ColumnMapping, detect_columns
-from geonear.loaders.readers import BATCH_ROWS, Source, open_source
+from geonear.loaders.readers import open_source
+from geonear.loaders.source import BATCH_ROWS, Source
 from geonear.loaders.validate import PointValidator, ValidationReport
 
 #: Schema metadata key saying where the ids came from ("column NAME" or "row numbers").

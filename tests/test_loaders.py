@@ -38,7 +38,7 @@ from geonear.loaders import (
     write_points,
     write_table,
 )
-from geonear.loaders.readers import sniff_csv
+from geonear.loaders.csv_files import sniff_csv
 from geonear.service.geometry import great_circle_m
 from geonear.service.server import create_server
 from geonear.service.settings import ServerSettings
