@@ -245,6 +245,7 @@ def with_point_columns(
 
 
 def from_table(table: pa.Table, batch_rows: int, what: str) -> Source:
+    """An in-memory table as a source, its point geometry column (if any) decoded."""
     return with_point_columns(table.to_reader(batch_rows), what, table.num_rows, batch_rows)
 
 

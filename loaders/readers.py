@@ -9,7 +9,9 @@ batches of at most ``batch_rows`` rows, so that a file larger than memory stream
 Formats: CSV (any delimiter, header detected), Parquet, Arrow IPC file or stream
 (Feather v2), GeoJSON (FeatureCollection, Feature or newline-delimited features; Point
 geometries) and GeoParquet (WKB or GeoArrow point geometries). Point geometries are
-decoded into ``lat``/``lon`` columns that :class:`Source.geometry` names.
+decoded into ``lat``/``lon`` columns that :class:`Source.geometry` names. CSV, GeoJSON
+and point geometries are read in modules of their own (``csv_files``, ``geojson_files``,
+``point_geometry``); Parquet and Arrow files here.
 """
 
 from __future__ import annotations
