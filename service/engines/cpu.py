@@ -9,7 +9,7 @@ point at the boundary is lost before the exact filter.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from scipy.spatial import cKDTree
@@ -22,7 +22,7 @@ from geonear.service.engines.host import (
     flatten_candidates,
     slice_threads,
 )
-from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
+from geonear.service.geometry import EARTH_RADIUS_M, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
 _CHORD_SLACK = 1e-9
@@ -38,8 +38,10 @@ _SLICE_MIN_QUERIES = 256
 _T = TypeVar("_T")
 
 
-def _chord_bound(distance_m: float, earth_radius_m: float) -> float:
-    return chord_for_distance(distance_m, earth_radius_m) * (1 + _CHORD_SLACK) + _CHORD_SLACK
+def _chord_bound(distance_m: float | np.ndarray, earth_radius_m: float) -> Any:
+    """``chord_for_distance`` of one distance or of each of an array, widened by the slack."""
+    angle = np.minimum(np.asarray(distance_m, dtype=np.float64) / earth_radius_m, np.pi)
+    return 2.0 * np.sin(angle / 2.0) * (1 + _CHORD_SLACK) + _CHORD_SLACK
 
 
 class KDTreeIndex(HostIndex):
@@ -142,7 +144,7 @@ class KDTreeIndex(HostIndex):
         if (radius_m == radius_m[0]).all():  # one radius for all (a radius query)
             bounds = _chord_bound(float(radius_m[0]), self.earth_radius_m)
         else:
-            bounds = np.array([_chord_bound(float(r), self.earth_radius_m) for r in radius_m])
+            bounds = _chord_bound(radius_m, self.earth_radius_m)
         found = self.tree.query_ball_point(
             unit_vectors(lat, lon), bounds, workers=workers, return_sorted=False
         )

@@ -174,10 +174,10 @@ class HostIndex(PointIndex):
             reach = dist[tied, k - 1] + _TIE_M
             query_index, rows = self.candidates_within(q_lat[tied], q_lon[tied], reach)
             near = self.exact_radius(q_lat[tied], q_lon[tied], query_index, rows, reach)
-            for j, q in enumerate(tied):
-                lo = near.offsets[j]
-                dist[q] = near.distances_m[lo : lo + k]
-                idx[q] = near.indices[lo : lo + k]
+            # Each tied query finds at least its k candidates again: take its first k.
+            first_k = near.offsets[:-1, None] + np.arange(k)
+            dist[tied] = near.distances_m[first_k]
+            idx[tied] = near.indices[first_k]
         return Neighbours(distances_m=dist, indices=idx)
 
     def exact_radius(
