@@ -247,6 +247,16 @@ def test_cpu_queries_in_slices_equal_queries_on_one_thread() -> None:
             np.testing.assert_array_equal(getattr(a, field.name), getattr(b, field.name))
 
 
+def test_cpu_searches_inside_a_slice_stay_on_its_thread() -> None:
+    # A slice has a core to itself: its tied queries' second search starts no threads.
+    from geonear.service.engines.cpu import KDTreeIndex
+    from geonear.service.engines.host import slice_threads
+
+    index = KDTreeIndex(*CLUSTERED, EARTH_RADIUS_M, workers=4)
+    assert index._workers_for(10_000) == 4
+    assert slice_threads().submit(index._workers_for, 10_000).result() == 1
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_cpu_queries_in_slices_run_in_a_forked_child() -> None:
     # The slices' threads are the parent's: a forked child must start its own.

@@ -20,6 +20,7 @@ from geonear.service.engines.host import (
     HostEngine,
     HostIndex,
     flatten_candidates,
+    in_slice_thread,
     slice_threads,
 )
 from geonear.service.geometry import EARTH_RADIUS_M, unit_vectors
@@ -151,7 +152,10 @@ class KDTreeIndex(HostIndex):
         return flatten_candidates(found, n_q)
 
     def _workers_for(self, n_queries: int) -> int:
-        return 1 if n_queries < _THREADED_MIN_QUERIES else self.workers
+        # A slice's own searches (its tied queries' second search) stay on its thread.
+        if n_queries < _THREADED_MIN_QUERIES or in_slice_thread():
+            return 1
+        return self.workers
 
 
 class CPUEngine(HostEngine):

@@ -36,6 +36,17 @@ SLICE_THREADS = os.cpu_count() or 1
 
 _slice_threads: ThreadPoolExecutor | None = None
 _slice_threads_lock = threading.Lock()
+_this_thread = threading.local()
+
+
+def _mark_slice_thread() -> None:
+    _this_thread.is_slice = True
+
+
+def in_slice_thread() -> bool:
+    """Whether the calling thread is one of ``slice_threads``: it has a core to itself,
+    so what it runs should not start threads of its own."""
+    return getattr(_this_thread, "is_slice", False)
 
 
 def slice_threads() -> ThreadPoolExecutor:
@@ -46,7 +57,9 @@ def slice_threads() -> ThreadPoolExecutor:
     with _slice_threads_lock:
         if _slice_threads is None:
             _slice_threads = ThreadPoolExecutor(
-                max_workers=SLICE_THREADS, thread_name_prefix="geonear-slice"
+                max_workers=SLICE_THREADS,
+                thread_name_prefix="geonear-slice",
+                initializer=_mark_slice_thread,
             )
         return _slice_threads
 
