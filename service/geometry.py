@@ -77,15 +77,15 @@ def great_circle_m(
     return earth_radius_m * xp.arctan2(xp.sqrt(num_a * num_a + num_b * num_b), den)
 
 
-def chord_for_distance(distance_m: float, earth_radius_m: float) -> float:
-    """Chord length between unit vectors that are ``distance_m`` apart on the sphere.
+def chord_for_distance(distance_m: Any, earth_radius_m: float) -> Any:
+    """Chord length between unit vectors that are ``distance_m`` apart on the sphere: a
+    float for a number, an array for an array (on the host).
 
     Distances of half the circumference or more map to 2 (the diameter).
     """
-    angle = distance_m / earth_radius_m
-    if angle >= np.pi:
-        return 2.0
-    return float(2.0 * np.sin(angle / 2.0))
+    angle = np.minimum(np.asarray(distance_m, dtype=np.float64) / earth_radius_m, np.pi)
+    chord = 2.0 * np.sin(angle / 2.0)
+    return float(chord) if np.ndim(chord) == 0 else chord
 
 
 def chord_to_distance_m(chord: Any, earth_radius_m: float, xp: Any = np) -> Any:

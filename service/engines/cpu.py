@@ -23,7 +23,7 @@ from geonear.service.engines.host import (
     in_slice_thread,
     slice_threads,
 )
-from geonear.service.geometry import EARTH_RADIUS_M, unit_vectors
+from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
 _CHORD_SLACK = 1e-9
@@ -40,9 +40,8 @@ _T = TypeVar("_T")
 
 
 def _chord_bound(distance_m: float | np.ndarray, earth_radius_m: float) -> Any:
-    """``chord_for_distance`` of one distance or of each of an array, widened by the slack."""
-    angle = np.minimum(np.asarray(distance_m, dtype=np.float64) / earth_radius_m, np.pi)
-    return 2.0 * np.sin(angle / 2.0) * (1 + _CHORD_SLACK) + _CHORD_SLACK
+    """``chord_for_distance`` (of one distance or of each of an array), widened by the slack."""
+    return chord_for_distance(distance_m, earth_radius_m) * (1 + _CHORD_SLACK) + _CHORD_SLACK
 
 
 class KDTreeIndex(HostIndex):
