@@ -10,8 +10,8 @@ For every GeoNear call, in order:
 
 1. tokens (when ``--auth-tokens`` is set): UNAUTHENTICATED / PERMISSION_DENIED
    (:mod:`geonear.service.auth`);
-2. admission: RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs``
-   (:mod:`geonear.service.admission`);
+2. admission: RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs``, or for an upload beyond
+   ``max_concurrent_uploads`` (:mod:`geonear.service.admission`);
 3. message size: a request message above ``max_message_bytes`` is refused with
    RESOURCE_EXHAUSTED naming the setting. gRPC's own receive limit is set to twice that,
    so a message between the two gets geonear's message; one above both is refused by
@@ -33,7 +33,9 @@ The server is a grpc.aio server, so every wrapper is a coroutine on its event lo
 servicer method that is a coroutine (KnnCompact, RadiusCompact) is awaited there; a
 plain method runs on the loop's thread pool with a :class:`_ThreadContext`, and a
 streaming one makes each response message there. A streamed request (Upload) is read
-on that thread from the loop, message by message.
+on that thread from the loop, message by message; when no message comes for
+``upload_idle_timeout_s`` the call ends DEADLINE_EXCEEDED (:class:`UploadIdle`), nothing
+stored, and its slot is free again.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import grpc
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
 from geonear.service.engines.base import DeviceLost
-from geonear.service.errors import Cancelled, LimitExceeded
+from geonear.service.errors import Cancelled, LimitExceeded, ServiceError
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
@@ -90,13 +92,30 @@ class _Oversized:
 class _Call:
     """What is known about one call while it runs, for the metrics and the log line."""
 
-    __slots__ = ("dataset", "ended", "rows", "start")
+    __slots__ = ("dataset", "ended", "rows", "start", "upload")
 
-    def __init__(self, dataset: str) -> None:
+    def __init__(self, dataset: str, upload: bool) -> None:
         self.dataset = dataset
+        self.upload = upload  # admitted against the uploads' share
         self.rows = 0
         self.start = time.perf_counter()
         self.ended = False  # counted in the metrics and the log
+
+
+class UploadIdle(ServiceError):
+    """No request message came for ``upload_idle_timeout_s``; the call is ended.
+
+    DEADLINE_EXCEEDED: the server's deadline for the next message passed.
+    """
+
+    status = "DEADLINE_EXCEEDED"
+
+    def __init__(self, idle_timeout_s: float) -> None:
+        super().__init__(
+            f"no Upload message came for upload_idle_timeout_s={idle_timeout_s:g} s "
+            "(setting GEONEAR_UPLOAD_IDLE_TIMEOUT_S): the upload was ended and nothing was "
+            "stored; send data more often, or raise the setting"
+        )
 
 
 class _Abort(Exception):
@@ -176,11 +195,13 @@ async def _in_thread(context: _ThreadContext, function: Callable[..., Any], *arg
 
 
 def _blocking_iterator(
-    messages: AsyncIterator[Any], loop: asyncio.AbstractEventLoop
+    messages: AsyncIterator[Any], loop: asyncio.AbstractEventLoop, idle_timeout_s: float
 ) -> Iterator[Any]:
     """The request stream of a call, read from a server thread.
 
-    Raises ``Cancelled`` when the server's loop stops before the next message comes.
+    Raises ``Cancelled`` when the server's loop stops before the next message comes, and
+    ``UploadIdle`` when none comes within ``idle_timeout_s`` of being asked for (time
+    the handler spends on a message does not count against the client).
     """
 
     async def read() -> Any:
@@ -189,17 +210,24 @@ def _blocking_iterator(
     while True:
         try:
             pending = asyncio.run_coroutine_threadsafe(read(), loop)
+            idle_at = time.monotonic() + idle_timeout_s
             while True:
                 try:
-                    yield pending.result(timeout=_POLL_S)
+                    message = pending.result(
+                        timeout=min(_POLL_S, max(0.0, idle_at - time.monotonic()))
+                    )
                     break
                 except concurrent.futures.TimeoutError:
                     if not loop.is_running():
                         raise Cancelled("the server stopped during the upload") from None
+                    if time.monotonic() >= idle_at:
+                        pending.cancel()  # the read waiting on the loop
+                        raise UploadIdle(idle_timeout_s) from None
         except StopAsyncIteration:
             return
         except RuntimeError as exc:  # the loop is closed
             raise Cancelled("the server stopped during the upload") from exc
+        yield message
 
 
 #: How often a thread waiting for the next request message checks that the loop runs.
@@ -221,6 +249,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         metrics: Metrics | None = None,
         log_requests: bool = True,
         lifecycle: Lifecycle | None = None,
+        upload_idle_timeout_s: float = 30.0,
     ) -> None:
         self.admission = admission
         self.max_message_bytes = max_message_bytes
@@ -228,7 +257,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.log_requests = log_requests
         self.lifecycle = lifecycle
-        self._handlers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
+        self.upload_idle_timeout_s = upload_idle_timeout_s
+        # By method and denial: each denial's message is built into its handler. The
+        # denials are auth's few constants, so a method has at most four handlers.
+        self._handlers: dict[tuple[str, Denial | None], grpc.RpcMethodHandler] = {}
 
     # -- dispatch ------------------------------------------------------------------------
     async def intercept_service(
@@ -243,7 +275,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if self.tokens is not None:
             metadata = handler_call_details.invocation_metadata  # type: ignore[attr-defined]
             denial = self.tokens.check(method, metadata)
-        key = (method, denial.status if denial is not None else "")
+        key = (method, denial)
         handler = self._handlers.get(key)
         if handler is None:
             inner = await continuation(handler_call_details)
@@ -296,10 +328,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             refusal = grpc.StatusCode[denial.status], denial.message
         elif self.lifecycle is not None and self.lifecycle.fatal_reason is not None:
             refusal = grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal()
-        elif not self.admission.try_enter():
-            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal()
+        elif (crowded := self.admission.admit(call.upload)) is not None:
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, crowded
         elif not streaming and type(request) is _Oversized:
-            self.admission.leave()
+            self.admission.leave(call.upload)
             refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(request)
         return refusal
 
@@ -315,14 +347,15 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         A streamed request comes back as an iterator to read from a server thread.
         """
-        call = _Call("" if streaming else getattr(request, "dataset", ""))
+        call = _Call("" if streaming else getattr(request, "dataset", ""), upload=streaming)
         refusal = self._refusal(call, rpc, request, denial, streaming)
         if refusal is not None:
             self._finish(call, rpc, context, refusal[0])
             await context.abort(*refusal)
         if streaming:
             loop = asyncio.get_running_loop()
-            return call, self._checked_stream(_blocking_iterator(request, loop), call)
+            requests = _blocking_iterator(request, loop, self.upload_idle_timeout_s)
+            return call, self._checked_stream(requests, call)
         return call, request
 
     def _checked_stream(self, requests: Iterator[Any], call: _Call) -> Iterator[Any]:
@@ -419,7 +452,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         """Leave admission and count the call in the metrics and the log, once."""
         if not call.ended:
             call.ended = True
-            self.admission.leave()
+            self.admission.leave(call.upload)
             self._finish(call, rpc, context, code)
 
     async def _abort(

@@ -19,18 +19,28 @@ Read when scraped, so they cost nothing per call:
 
 Each server has its own registry, so several servers in one process (tests, notebooks)
 do not collide.
+
+When the server has bearer tokens (``--auth-tokens``), ``/metrics`` needs one as well,
+of either scope, as ``Authorization: Bearer <token>`` (Prometheus: ``authorization`` in
+the scrape config): the metrics name every dataset and its size. A scrape without a
+token the server knows is answered 401. The endpoint is plain HTTP; keep its port
+on a network the scraper alone reaches, as the token travels in clear.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from geonear.service.auth import TokenCheck, bearer_token
 from geonear.service.engines import Engine
 from geonear.service.store import DatasetStore
 
@@ -143,9 +153,23 @@ class Metrics:
         if rows:
             rows_counter.inc(rows)
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0 picks a free port); returns the port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, host: str, port: int, tokens: TokenCheck | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 picks a free port); returns the port.
+
+        With ``tokens``, only to a scrape that sends one of them (module docstring).
+        """
+        app = make_wsgi_app(self.registry)
+        if tokens is not None:
+            app = _token_required(app, tokens)
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+
+        class MetricsServer(ThreadingWSGIServer):
+            address_family = family  # AF_INET6 for an IPv6 host
+
+        server = make_server(str(address[0]), port, app, MetricsServer, _QuietHandler)
+        threading.Thread(target=server.serve_forever, name="geonear-metrics", daemon=True).start()
         self._http = server
         return int(server.server_port)
 
@@ -154,3 +178,35 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Scrapes are not logged: one every few seconds says nothing."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+_CHALLENGE = [
+    ("WWW-Authenticate", 'Bearer realm="geonear metrics"'),
+    ("Content-Type", "text/plain; charset=utf-8"),
+]
+
+
+def _token_required(app: Callable[..., Any], tokens: TokenCheck) -> Callable[..., Any]:
+    """``app`` for requests with a known bearer token; 401 for the others.
+
+    ``TokenCheck.scope_of`` compares digests in constant time, as for gRPC calls.
+    """
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        token = bearer_token([("authorization", environ.get("HTTP_AUTHORIZATION", ""))])
+        if token is None or tokens.scope_of(token) is None:
+            start_response("401 Unauthorized", _CHALLENGE)
+            return [
+                b"this server's metrics need a bearer token: send 'Authorization: Bearer "
+                b"<token>' with a read or admin token of its --auth-tokens file\n"
+            ]
+        return app(environ, start_response)
+
+    return guarded

@@ -12,6 +12,14 @@ the server's thread pool as a plain function. Measured on a 2-core host, the sam
 single-point KNN load gets 1.4x the requests/s of a thread-pool server, because a
 request no longer hands the GIL to a thread and back while it waits for its batch
 (docs/benchmarks.md, "Small queries").
+
+Health checks report SERVING while the server can serve, and NOT_SERVING only when it
+cannot: from the start of shutdown (a signal) and after a fatal device error, never to
+come back in this process (:mod:`geonear.service.lifecycle`). A server whose admission
+cap is full still serves: it refuses what does not fit at once with RESOURCE_EXHAUSTED
+and takes calls again as slots free up, and uploads cannot hold every slot
+(:mod:`geonear.service.admission`). Reporting NOT_SERVING for that would have a load
+balancer move the same load onto the other servers and leave this one idle.
 """
 
 from __future__ import annotations
@@ -163,9 +171,11 @@ class ServerParts:
         The port bound (the one picked when the settings say 0).
     store : DatasetStore
     health : health.HealthServicer
-        Serving status of "" and the GeoNear service; NOT_SERVING once shutdown begins.
+        Serving status of "" and the GeoNear service; NOT_SERVING once shutdown begins
+        or the device is lost, never because admission is full (module docstring).
     admission : Admission
-        Calls in flight against ``max_concurrent_rpcs``.
+        Calls in flight against ``max_concurrent_rpcs``, uploads also against
+        ``max_concurrent_uploads``.
     metrics : Metrics
     lifecycle : Lifecycle
         Serving status and the request to stop (a signal, or a fatal device error).
@@ -244,7 +254,7 @@ def build_server(
         log.error("datasets not reloaded: %s", ", ".join(skipped))
     if settings.demo:
         _load_demo(store)
-    admission = Admission(limits.max_concurrent_rpcs)
+    admission = Admission(limits.max_concurrent_rpcs, settings.upload_slots())
     metrics = Metrics(store, engine, backend, lambda: admission.in_flight)
     loop = EventLoopThread()
     health_servicer = health.aio.HealthServicer()
@@ -256,6 +266,7 @@ def build_server(
         metrics=metrics,
         log_requests=settings.log_requests,
         lifecycle=lifecycle,
+        upload_idle_timeout_s=settings.upload_idle_timeout_s,
     )
     # Each admitted call that is not on the event loop holds a thread while it runs;
     # two beyond the admission cap answer refusals while every admitted call is busy.
@@ -303,7 +314,8 @@ def build_server(
     )
     parts.set_serving(True)
     if settings.metrics_port is not None:
-        parts.metrics_port = metrics.serve_http(settings.host, settings.metrics_port)
+        # With tokens, scrapes need one too: the metrics name every dataset and its size.
+        parts.metrics_port = metrics.serve_http(settings.host, settings.metrics_port, tokens)
         log.info("metrics on http://%s:%d/metrics", settings.host, parts.metrics_port)
     log.info(
         "engine %s (%s backend) on %s; earth radius %.1f m; %s; %s",

@@ -339,6 +339,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return points_from_message(request.targets)
         if request.HasField("targets"):
             raise InvalidInput("give a dataset or inline targets, not both")
+        if request.ids.int_ids and request.ids.string_ids:
+            raise InvalidInput("matrix ids: give int_ids or string_ids, not both")
         dataset = self.store.get(request.dataset)
         if not request.HasField("ids") or not (request.ids.int_ids or request.ids.string_ids):
             return dataset.lat, dataset.lon

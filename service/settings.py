@@ -123,6 +123,20 @@ class ServerSettings(BaseSettings):
         0, ge=0, description="wait for more requests after the first, µs; 0: take what is queued"
     )
     limits: Limits = Field(default_factory=lambda: Limits())
+    # -- fairness (service/admission.py) ----------------------------------------------
+    # A client decides how long its upload stream stays open, so uploads get a share of
+    # max_concurrent_rpcs of their own: streams left open cannot keep queries out.
+    max_concurrent_uploads: int = Field(
+        0,
+        ge=0,
+        description="uploads running at once, within max_concurrent_rpcs and below it; "
+        "0: a quarter of max_concurrent_rpcs (at least 1)",
+    )
+    upload_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="an upload that sends no message for this long is ended, nothing stored",
+    )
     # -- security ----------------------------------------------------------------------
     tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
     tls_key: Path | None = Field(None, description="PEM private key of the server")
@@ -148,6 +162,23 @@ class ServerSettings(BaseSettings):
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         return self
+
+    @model_validator(mode="after")
+    def _uploads_leave_slots_for_queries(self) -> ServerSettings:
+        cap = self.limits.max_concurrent_rpcs
+        if self.max_concurrent_uploads and self.max_concurrent_uploads >= cap:
+            raise ValueError(
+                f"max_concurrent_uploads={self.max_concurrent_uploads} must be below "
+                f"max_concurrent_rpcs={cap}, so that queries keep slots of their own; "
+                "0 gives uploads a quarter of them"
+            )
+        return self
+
+    def upload_slots(self) -> int:
+        """How many of the ``max_concurrent_rpcs`` slots uploads may hold at once."""
+        if self.max_concurrent_uploads:
+            return self.max_concurrent_uploads
+        return max(1, self.limits.max_concurrent_rpcs // 4)
 
     @property
     def tls(self) -> bool:
