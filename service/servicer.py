@@ -28,7 +28,11 @@ from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import radius, radius_async
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
-from geonear.service.validation import check_dataset_name, normalise_upload
+from geonear.service.validation import (
+    check_dataset_name,
+    ids_are_row_numbers,
+    normalise_upload,
+)
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
@@ -183,25 +187,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             if mode is None:
                 raise InvalidInput(f"unknown upload mode {header.mode}")
             table = pa.Table.from_batches(batches, schema=decoder.schema)
-            table = normalise_upload(
-                table,
-                header.lat_column,
-                header.lon_column,
-                header.id_column,
-                self._next_row_id(header.dataset, mode),
-            )
-            version = self.store.upload(header.dataset, mode, table)
+            # Row numbers as ids are given by the store, under its lock: an append's
+            # first number depends on the dataset as the append commits.
+            row_numbers = ids_are_row_numbers(table, header.id_column)
+            table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
+            version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
             return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
-
-    def _next_row_id(self, name: str, mode: str) -> int:
-        """First row-number id for an upload without ids (appends continue the numbering)."""
-        if mode != "append":
-            return 0
-        try:
-            ids = self.store.get(name).table.column("id")
-        except ServiceError:
-            return 0
-        return int(pa.compute.max(ids).as_py()) + 1 if pa.types.is_integer(ids.type) else 0
 
     def DeleteRows(self, request, context):
         with _translate(context):

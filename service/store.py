@@ -13,10 +13,17 @@ manifest pointing at complete files only: a new version's file is durable before
 manifest names it, and an old version's file is deleted only after the manifest stops
 naming it. A crash between the steps leaves at most an unnamed file behind.
 
+The data directory holds the manifest and one folder per dataset, named as the dataset
+(the name rule in :mod:`~geonear.service.validation` keeps every name one plain path
+component, apart from the directory's own entries). The store deletes only files of its
+own: a dropped dataset's version file that the manifest named, and its folder once
+empty.
+
 At start, leftover temporary files are deleted, the manifest's datasets are reloaded
 (each file validated in full), a file that cannot be read is reported, renamed
 ``*.corrupt`` and skipped without taking the others down, and version files the
-manifest does not name are deleted.
+manifest does not name are deleted. Both cleanups look only at files of the version-file
+pattern inside dataset folders; anything else in the data directory is left alone.
 
 The store also holds the memory budget for datasets (``max_dataset_host_bytes``,
 ``max_dataset_device_bytes``): a change that would take all datasets together beyond
@@ -53,14 +60,24 @@ from geonear.service.errors import (
 )
 from geonear.service.host_memory import release_freed_memory
 from geonear.service.settings import Limits
-from geonear.service.validation import DATASET_NAME, check_dataset_name, check_unique_ids
+from geonear.service.validation import (
+    DATA_DIR_ENTRIES,
+    DATASET_NAME,
+    check_dataset_name,
+    check_unique_ids,
+    shown_name,
+)
 
 log = logging.getLogger("geonear.store")
 
 MANIFEST = "manifest.json"
 #: Names of the files the store writes inside a dataset's folder.
-_VERSION_FILE = re.compile(r"^v\d{8}\.arrow$")
+_VERSION_FILE = re.compile(r"v\d{8}\.arrow")
 _TMP_SUFFIX = ".tmp"
+#: Names an earlier, looser rule admitted: such datasets can still be reloaded, queried
+#: and dropped, but no new dataset takes one.
+_EARLIER_DATASET_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+assert {MANIFEST, MANIFEST + _TMP_SUFFIX} <= DATA_DIR_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -140,9 +157,9 @@ class DatasetStore:
         try:
             return self._datasets[name]
         except KeyError:
-            raise DatasetNotFound(
-                f"no dataset named {name!r}; ListDatasets shows the names there are"
-            ) from None
+            pass
+        check_dataset_name(name)  # a name no dataset can have is a bad argument
+        raise DatasetNotFound(f"no dataset named {name!r}; ListDatasets shows the names there are")
 
     def datasets(self) -> list[DatasetVersion]:
         return sorted(self._datasets.values(), key=lambda d: d.name)
@@ -186,8 +203,15 @@ class DatasetStore:
         if self.read_only_reason is not None:
             raise Precondition(self.read_only_reason)
 
-    def upload(self, name: str, mode: str, table: pa.Table) -> DatasetVersion:
-        """Create, replace or append; ``table`` is already normalised (id, lat, lon, ...)."""
+    def upload(
+        self, name: str, mode: str, table: pa.Table, row_numbers: bool = False
+    ) -> DatasetVersion:
+        """Create, replace or append; ``table`` is already normalised (id, lat, lon, ...).
+
+        With ``row_numbers``, the table's ids are replaced by row numbers: from 0, or for
+        an append from one past the dataset's largest id, taken under the lock so that
+        concurrent appends number their rows one after another.
+        """
         self._refuse_if_read_only()
         check_dataset_name(name)
         with self._lock:
@@ -197,15 +221,36 @@ class DatasetStore:
                     f"dataset {name!r} exists (version {current.version}); "
                     "use mode replace or append"
                 )
+            if current is None:
+                self._refuse_case_twin(name)
             if mode == "append":
                 if current is None:
                     raise DatasetNotFound(
                         f"cannot append to {name!r}: no such dataset; use mode create"
                     )
+                if row_numbers:
+                    table = _number_rows(table, _next_row_number(current.table))
                 table = _append(current.table, table)
+            elif row_numbers:
+                table = _number_rows(table, 0)
             check_unique_ids(table.column("id"))
             version = 1 if current is None else current.version + 1
             return self._commit(name, version, table)
+
+    def _refuse_case_twin(self, name: str) -> None:
+        """Refuse a new name that differs from a dataset's only in case.
+
+        On a case-insensitive file system the two would share one folder and overwrite
+        each other's files; refused everywhere, so that a name valid on one server is
+        valid on all.
+        """
+        folded = name.casefold()
+        twin = next((n for n in self._datasets if n.casefold() == folded), None)
+        if twin is not None:
+            raise DatasetExists(
+                f"dataset {twin!r} exists and differs from {name!r} only in case; "
+                "dataset names must differ in more than case"
+            )
 
     def delete_rows(
         self, name: str, ids: Iterable[int] | Iterable[str]
@@ -240,9 +285,14 @@ class DatasetStore:
                 remaining = {k: v for k, v in self._datasets.items() if k != name}
                 with _storage_errors(name):
                     self._write_manifest(remaining)
-                # The manifest no longer names these files: a crash here leaves orphans
-                # that the next start deletes.
-                _remove_tree(self.data_dir / name)
+                # The manifest no longer names the file: a crash or failure here leaves
+                # an orphan that the next start deletes.
+                path = self._version_path(name, current.version)
+                try:
+                    _unlink(path)
+                    _remove_if_empty(path.parent)
+                except OSError as exc:
+                    log.warning("dataset %s dropped; cannot remove %s yet: %s", name, path, exc)
             del self._datasets[name]
             release_freed_memory()
             return current
@@ -280,8 +330,13 @@ class DatasetStore:
 
     # -- persistence ---------------------------------------------------------------------
     def _version_path(self, name: str, version: int) -> Path:
-        assert self.data_dir is not None
-        return self.data_dir / name / f"v{version:08d}.arrow"
+        return self._folder(name) / f"v{version:08d}.arrow"
+
+    def _folder(self, name: str) -> Path:
+        """The dataset's folder: one plain path component below the data directory."""
+        if not _is_folder_name(name):
+            raise InvalidInput(f"dataset name {shown_name(name)} cannot name a folder")
+        return self._root / name
 
     def _persist(self, dataset: DatasetVersion) -> None:
         path = self._version_path(dataset.name, dataset.version)
@@ -378,7 +433,6 @@ class DatasetStore:
         return skipped
 
     def _reload(self, name: str, entry: dict) -> DatasetVersion:
-        check_dataset_name(name)
         version = int(entry["version"])
         path = self._version_path(name, version)
         if entry["file"] != str(path.relative_to(self._root)):
@@ -399,30 +453,46 @@ class DatasetStore:
         return self.data_dir
 
     def _dataset_dirs(self) -> list[Path]:
-        return [p for p in self._root.iterdir() if p.is_dir() and DATASET_NAME.match(p.name)]
+        """Folders that are datasets' own: named by today's rule, or a reloaded dataset's."""
+        return [
+            p
+            for p in self._root.iterdir()
+            if p.is_dir()
+            and not p.is_symlink()
+            and (p.name in self._datasets or _is_new_folder_name(p.name))
+        ]
 
     def _remove_temporary_files(self) -> None:
         leftovers = [self._root / (MANIFEST + _TMP_SUFFIX)]
         for folder in self._dataset_dirs():
-            leftovers += [p for p in folder.iterdir() if p.name.endswith(".arrow" + _TMP_SUFFIX)]
+            leftovers += [
+                p
+                for p in folder.iterdir()
+                if p.name.endswith(_TMP_SUFFIX)
+                and _VERSION_FILE.fullmatch(p.name.removesuffix(_TMP_SUFFIX))
+            ]
         for path in leftovers:
-            if path.exists():
+            if path.is_file():
                 log.warning("removing %s, left by an interrupted write", path)
                 _unlink(path)
 
     def _remove_unnamed_versions(self) -> None:
         named = {self._version_path(d.name, d.version) for d in self._datasets.values()}
         for folder in self._dataset_dirs():
-            for path in folder.iterdir():
-                if _VERSION_FILE.match(path.name) and path not in named:
-                    log.info("removing %s, a version the manifest does not name", path)
-                    _unlink(path)
-            if not any(folder.iterdir()):
-                folder.rmdir()
+            orphans = [
+                p
+                for p in folder.iterdir()
+                if _VERSION_FILE.fullmatch(p.name) and p.is_file() and p not in named
+            ]
+            for path in orphans:
+                log.info("removing %s, a version the manifest does not name", path)
+                _unlink(path)
+            if orphans:
+                _remove_if_empty(folder)
 
     def _set_aside(self, name: str, entry: object) -> None:
         """Rename an unreadable version file ``*.corrupt``: kept for a look, never loaded."""
-        if not isinstance(entry, dict) or not DATASET_NAME.match(name):
+        if not isinstance(entry, dict) or not _is_folder_name(name):
             return
         try:
             path = self._version_path(name, int(entry["version"]))
@@ -430,6 +500,33 @@ class DatasetStore:
                 os.replace(path, path.with_name(path.name + ".corrupt"))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("dataset %s: cannot set its file aside (%s)", name, exc)
+
+
+def _is_new_folder_name(name: str) -> bool:
+    """A folder a dataset named by today's rule would have."""
+    return bool(DATASET_NAME.fullmatch(name)) and name.casefold() not in DATA_DIR_ENTRIES
+
+
+def _is_folder_name(name: str) -> bool:
+    """A name safe as a folder: today's rule's, or an earlier one's that is no path."""
+    return (
+        bool(_EARLIER_DATASET_NAME.fullmatch(name))
+        and name not in (".", "..")
+        and name.casefold() not in DATA_DIR_ENTRIES
+    )
+
+
+def _next_row_number(table: pa.Table) -> int:
+    """One past the largest integer id; 0 for string ids (the append is then refused)."""
+    ids = table.column("id")
+    if not pa.types.is_integer(ids.type) or table.num_rows == 0:
+        return 0
+    return int(pc.max(ids).as_py()) + 1
+
+
+def _number_rows(table: pa.Table, first: int) -> pa.Table:
+    numbers = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
+    return table.set_column(table.schema.get_field_index("id"), "id", numbers)
 
 
 def _append(old: pa.Table, new: pa.Table) -> pa.Table:
@@ -476,9 +573,14 @@ def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _remove_tree(path: Path) -> None:
-    if path.exists():
-        for child in path.iterdir():
-            child.unlink()
-        path.rmdir()
-        _fsync_dir(path.parent)
+def _remove_if_empty(folder: Path) -> None:
+    """Remove a dataset's folder once nothing is left in it; anything left is kept."""
+    try:
+        folder.rmdir()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return
+    _fsync_dir(folder.parent)

@@ -14,18 +14,40 @@ import pyarrow.compute as pc
 
 from geonear.service.errors import InvalidInput
 
-DATASET_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+#: A dataset's name is also its folder in the data directory: a letter or digit first,
+#: so that no name is ``.``, ``..`` or a hidden file, or starts like the data
+#: directory's own entries (``_partitions``).
+DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+#: Entries of the data directory that are not datasets: the store's manifest and its
+#: temporary file, the Dask engine's partition folder. Compared ignoring case, as a
+#: case-insensitive file system would.
+DATA_DIR_ENTRIES = frozenset({"manifest.json", "manifest.json.tmp", "_partitions"})
 #: Columns the service owns; attribute columns may not reuse these names.
 RESERVED = ("id", "lat", "lon")
 _SHOW = 5
+_SHOW_NAME_CHARS = 64
 
 
 def check_dataset_name(name: str) -> str:
-    if not DATASET_NAME.match(name or ""):
+    """Raise InvalidInput unless ``name`` may name a new dataset."""
+    if not DATASET_NAME.fullmatch(name or ""):
         raise InvalidInput(
-            f"invalid dataset name {name!r}: use 1 to 128 characters from [A-Za-z0-9_.-]"
+            f"invalid dataset name {shown_name(name)}: use 1 to 128 characters from "
+            "[A-Za-z0-9_.-], starting with a letter or digit"
+        )
+    if name.casefold() in DATA_DIR_ENTRIES:
+        raise InvalidInput(
+            f"invalid dataset name {name!r}: the data directory keeps its own "
+            f"{name.casefold()!r} there; choose another name"
         )
     return name
+
+
+def shown_name(name: str) -> str:
+    """``name`` quoted for a message, cut short: a status message travels in a header."""
+    if len(name) <= _SHOW_NAME_CHARS:
+        return repr(name)
+    return f"{name[: _SHOW_NAME_CHARS // 2]!r}... ({len(name)} characters)"
 
 
 def _bad_rows_message(what: str, rows: np.ndarray, values: list[str]) -> str:
@@ -78,6 +100,11 @@ def _pick(table: pa.Table, wanted: str, role: str) -> str:
     )
 
 
+def ids_are_row_numbers(table: pa.Table, id_column: str = "id") -> bool:
+    """True when the upload has no id column (under the default name): rows get numbers."""
+    return id_column in ("", "id") and "id" not in table.column_names
+
+
 def normalise_upload(
     table: pa.Table,
     lat_column: str = "lat",
@@ -99,8 +126,12 @@ def normalise_upload(
     lat_name = _pick(table, lat_column or "lat", "lat")
     lon_name = _pick(table, lon_column or "lon", "lon")
     id_name = id_column or "id"
-    if id_name in table.column_names:
-        ids = table.column(id_name)
+    if ids_are_row_numbers(table, id_column):
+        ids = pa.chunked_array(
+            [pa.array(np.arange(first_row_id, first_row_id + table.num_rows, dtype=np.int64))]
+        )
+    else:
+        ids = table.column(_pick(table, id_name, "id"))
         if pa.types.is_integer(ids.type):
             try:
                 ids = pc.cast(ids, pa.int64())
@@ -115,13 +146,6 @@ def normalise_upload(
             raise InvalidInput(
                 f"id column {id_name!r}: " + _bad_rows_message("null ids", rows, ["null"] * _SHOW)
             )
-    elif id_column in ("", "id"):
-        ids = pa.chunked_array(
-            [pa.array(np.arange(first_row_id, first_row_id + table.num_rows, dtype=np.int64))]
-        )
-    else:
-        _pick(table, id_name, "id")
-        raise AssertionError("unreachable")
     lat = _numeric_column(table, lat_name, "lat")
     lon = _numeric_column(table, lon_name, "lon")
     check_coordinates(lat.to_numpy(), lon.to_numpy(), "upload")
