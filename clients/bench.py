@@ -518,6 +518,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="(query, point) pairs per timed call of a brute-force engine (default: per engine)",
     )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="knn/radius: each engine in-process and through a server of its own, "
+        "with the server's and the client's stages",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results document here")
     parser.add_argument(
         "--markdown",
@@ -539,6 +545,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     config = config_from_args(args)
+    if getattr(args, "served", False):
+        return _run_served(config)
     markdown_to_stdout = getattr(args, "markdown", None) == "-"
     # The table goes to stderr when stdout carries the markdown, so it can be redirected.
     stream = sys.stderr if markdown_to_stdout else sys.stdout
@@ -559,3 +567,17 @@ def run(args: argparse.Namespace) -> int:
             with open(args.markdown, "a", encoding="utf-8") as out:
                 out.write(text)
     return 1 if any(r["status"] == "error" for r in doc["results"]) else 0
+
+
+def _run_served(config: BenchConfig) -> int:
+    from rich.console import Console
+
+    from geonear.clients import bench_served
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    with Console(stderr=True).status("benchmarking") as status:
+        doc = bench_served.run_served(
+            config, progress=lambda text: status.update(f"benchmarking {text} served")
+        )
+    bench_served.print_served(doc, console)
+    return 1 if any(r.status == "error" for r in doc["results"]) else 0

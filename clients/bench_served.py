@@ -1,0 +1,258 @@
+"""``geonear bench --served``: one bulk query in-process and through a real server.
+
+For each engine, in one run on the same data: the engine's own call in this process
+(what ``geonear bench`` times), then the same query through a server started for it in
+a process of its own (``geonear serve --engine NAME --memory-only`` on a free loopback
+port), asked by the Python client. The server reports where its time went in the
+call's trailing metadata (``geonear-timing``, see ``geonear.service.timing``); the
+client side adds what it spent receiving, decoding and converting. The gap between the
+first line and the last is what the service costs.
+
+    geonear bench --served --n 1000 --queries 100000 -k 10 --engines cpu
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from geonear._wire import messages_to_table, points_to_message
+from geonear.clients.bench import (
+    DEFAULT_ENGINES,
+    BenchConfig,
+    BenchData,
+    _synchroniser,
+    make_data,
+)
+from geonear.clients.client import Client
+from geonear.service.engines import EngineUnavailable, create_engine
+from geonear.service.timing import TIMING_KEY, parse_timing
+from geonear.v1 import geonear_pb2 as pb
+from geonear.v1 import geonear_pb2_grpc as pb_grpc
+
+#: Engines compared when ``--engines`` is not given: the two backends.
+SERVED_ENGINES = ("cpu", "gpu")
+#: Seconds a server started for the run gets to listen.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ServedResult:
+    """One engine's times, seconds (min over the repeats; the stages of the fastest call)."""
+
+    engine: str
+    status: str = "ok"
+    reason: str = ""
+    in_process_s: float | None = None
+    served_s: float | None = None
+    served_pandas_s: float | None = None
+    result_rows: int = 0
+    result_bytes: int = 0
+    server_stages: dict[str, float] = field(default_factory=dict)
+    client_stages: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float | None:
+        if self.in_process_s and self.served_s:
+            return self.served_s / self.in_process_s
+        return None
+
+
+@contextlib.contextmanager
+def served_engine(engine: str, *, log_dir: Path | None = None) -> Iterator[str]:
+    """A ``geonear serve`` process running ``engine`` on a free port; yields its target."""
+    with contextlib.ExitStack() as stack:
+        folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_path = folder / f"serve-{engine}.log"
+        args = [
+            sys.executable,
+            *("-m", "geonear", "serve", "--host", "127.0.0.1", "--port", "0"),
+            *("--memory-only", "--engine", engine, "--no-request-log"),
+        ]
+        env = {**os.environ, "GEONEAR_MAX_QUERY_POINTS": str(10**8)}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        try:
+            yield _wait_listening(proc, log_path)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_listening(proc: subprocess.Popen, log_path: Path) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        text = log_path.read_text(errors="replace")
+        line = next((ln for ln in text.splitlines() if "listening on" in ln), None)
+        if line is not None:
+            port = int(line.split()[-1].rsplit(":", 1)[1].rstrip(")"))
+            return f"127.0.0.1:{port}"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise EngineUnavailable(f"the server did not start: {text.strip()[-500:]}")
+        time.sleep(0.05)
+
+
+def _best(repeat: int, call: Callable[[], Any]) -> tuple[float, Any]:
+    """The fastest of ``repeat`` calls after one warm-up call, and its result."""
+    call()
+    best_s, best_out = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = call()
+        seconds = time.perf_counter() - start
+        if seconds < best_s:
+            best_s, best_out = seconds, out
+    return best_s, best_out
+
+
+def _query(client: Client, config: BenchConfig, data: BenchData, **kwargs: Any) -> Any:
+    if config.op == "radius":
+        return client.radius("bench", data.q_lat, data.q_lon, config.radius_m, **kwargs)
+    return client.knn("bench", data.q_lat, data.q_lon, config.k, **kwargs)
+
+
+def bench_served_engine(config: BenchConfig, data: BenchData, engine: str) -> ServedResult:
+    """The in-process call, then the served one, for ``engine``."""
+    row = ServedResult(engine)
+    try:
+        local = create_engine(engine)
+        local.warm_up()
+    except EngineUnavailable as exc:
+        return ServedResult(engine, status="skipped", reason=str(exc))
+    row.in_process_s = _in_process_s(config, data, local)
+    with served_engine(engine) as target, Client(target, timeout_s=600) as client:
+        points = pa.table({"id": np.arange(data.lat.shape[0]), "lat": data.lat, "lon": data.lon})
+        client.upload("bench", points)
+        row.served_s, table = _best(
+            config.repeat, lambda: _query(client, config, data, as_arrow=True)
+        )
+        row.served_pandas_s, _ = _best(config.repeat, lambda: _query(client, config, data))
+        stub = pb_grpc.GeoNearStub(client._channel)
+        _, (row.server_stages, row.client_stages) = _best(
+            config.repeat, lambda: _staged_call(stub, config, data)
+        )
+    row.result_rows = table.num_rows
+    row.result_bytes = table.nbytes
+    return row
+
+
+def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> float:
+    """The engine's own call, fastest of the repeats (the index is freed on return)."""
+    index = engine.build_index(data.lat, data.lon)
+    sync = _synchroniser(engine)
+
+    def call() -> Any:
+        sync()
+        out: Any = (
+            index.radius(data.q_lat, data.q_lon, config.radius_m)
+            if config.op == "radius"
+            else index.knn(data.q_lat, data.q_lon, config.k)
+        )
+        sync()
+        return out
+
+    return _best(config.repeat, call)[0]
+
+
+def _staged_call(
+    stub: pb_grpc.GeoNearStub, config: BenchConfig, data: BenchData
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One call of the whole query set on a plain stub: the server's stages, the client's."""
+    client: dict[str, float] = {}
+    start = time.perf_counter()
+    points = points_to_message(data.q_lat, data.q_lon)
+    if config.op == "radius":
+        call = stub.Radius(
+            pb.RadiusRequest(dataset="bench", queries=points, radius_m=config.radius_m)
+        )
+    else:
+        call = stub.Knn(pb.KnnRequest(dataset="bench", queries=points, k=config.k))
+    client["encode request"] = time.perf_counter() - start
+    mark = time.perf_counter()
+    messages = list(call)
+    client["receive"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    table = messages_to_table(messages)
+    client["decode Arrow"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    table.to_pandas()
+    client["to_pandas"] = time.perf_counter() - mark
+    server = parse_timing(dict(call.trailing_metadata() or ()).get(TIMING_KEY, ""))
+    return server, client
+
+
+def run_served(
+    config: BenchConfig, progress: Callable[[str], None] = lambda _text: None
+) -> dict[str, Any]:
+    """Every engine of ``config``, in-process and served; a document for print/JSON."""
+    if config.op not in ("knn", "radius"):
+        raise ValueError(f"--served measures knn and radius, not {config.op}")
+    if config.engines == DEFAULT_ENGINES:
+        config = dataclasses.replace(config, engines=SERVED_ENGINES)
+    data = make_data(config)
+    rows = []
+    for engine in config.engines:
+        progress(engine)
+        rows.append(bench_served_engine(config, data, engine))
+    return {
+        "config": config,
+        "command": config.command() + " --served",
+        "data": data.description,
+        "results": rows,
+    }
+
+
+def print_served(doc: dict[str, Any], console: Any) -> None:
+    """The run as two tables: totals per engine, then each stage's milliseconds."""
+    from rich.table import Table
+
+    totals = Table(title=f"{doc['data']}: in-process vs served", title_justify="left")
+    for name in ("engine", "in-process ms", "served ms", "x", "+ pandas ms", "rows", "MB"):
+        totals.add_column(name, justify="left" if name == "engine" else "right")
+    for r in doc["results"]:
+        if r.status != "ok":
+            totals.add_row(r.engine, r.status, "", "", "", "", "")
+            console.print(f"{r.engine}: {r.reason}")
+            continue
+        totals.add_row(
+            r.engine,
+            f"{r.in_process_s * 1e3:.1f}",
+            f"{r.served_s * 1e3:.1f}",
+            f"{r.overhead:.2f}",
+            f"{r.served_pandas_s * 1e3:.1f}",
+            f"{r.result_rows:,}",
+            f"{r.result_bytes / 1e6:.1f}",
+        )
+    console.print(totals)
+    ok = [r for r in doc["results"] if r.status == "ok"]
+    stages = list(dict.fromkeys(s for r in ok for s in (*r.server_stages, *r.client_stages)))
+    if not stages:
+        return
+    breakdown = Table(title="stages, ms (server, then client)", title_justify="left")
+    breakdown.add_column("stage")
+    for r in ok:
+        breakdown.add_column(r.engine, justify="right")
+    for stage in stages:
+        cells = []
+        for r in ok:
+            value = r.server_stages.get(stage, r.client_stages.get(stage))
+            cells.append("" if value is None else f"{value * 1e3:.1f}")
+        breakdown.add_row(stage, *cells)
+    console.print(breakdown)
+    console.print(f"reproduce: {doc['command']}")
