@@ -1,17 +1,22 @@
 """The ``geonear`` command line.
 
 ``geonear serve`` runs the server; the other commands talk to one at ``--target``
-(default localhost:50051) and print readable tables. Errors print one line and exit
-non-zero.
+(default: GEONEAR_TARGET, else localhost:50051) and print readable tables, or write
+whole results with ``--out FILE``. Errors print one line in the command line's own
+words and exit non-zero: 1 for a refusal by the server, 2 for a bad command or setting.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import re
+import socket
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,23 +24,69 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from geonear.clients.client import DEFAULT_TARGET, Client
+from geonear.clients.cli_options import (
+    HelpFormatter,
+    add_connection_arguments,
+    connection_options,
+)
+from geonear.clients.client import Client
 from geonear.clients.errors import GeoNearError
 
 _console = Console()
+#: Rows printed unless --limit or --all says otherwise.
+PRINT_ROWS = 20
+#: Widest distance matrix printed; wider ones go to --out.
+PRINT_MATRIX_COLUMNS = 12
+_OUT_HINT = "use --out FILE (.parquet, .csv or .arrow)"
 
 
-def _print_frame(frame: pd.DataFrame, title: str | None = None) -> None:
+# -- printing ----------------------------------------------------------------------------
+def _cell(value: Any) -> str:
+    """One printed value; missing ones (None, NaN, pandas' NA) as ``<NA>``, as pandas shows."""
+    if value is None or (pd.api.types.is_scalar(value) and pd.isna(value)):
+        return "<NA>"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _print_frame(frame: pd.DataFrame, title: str | None = None, limit: int | None = None) -> None:
+    """A table of the first ``limit`` rows (all when None), then how many are left out."""
+    shown = frame if limit is None or len(frame) <= limit else frame.iloc[:limit]
     table = Table(title=title)
     for name in frame.columns:
         table.add_column(str(name), justify="right" if frame[name].dtype.kind in "iuf" else "left")
-    for row in frame.itertuples(index=False):
-        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
+    for row in shown.itertuples(index=False):
+        table.add_row(*[_cell(v) for v in row])
     _console.print(table)
+    left = len(frame) - len(shown)
+    if left:
+        _console.print(
+            f"{left:,} more rows: {_OUT_HINT}, or --limit N / --all to print more",
+            highlight=False,
+        )
+
+
+def _limit(args: argparse.Namespace) -> int | None:
+    if getattr(args, "all", False):
+        return None
+    return int(args.limit)
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+    """Comma-separated degrees: ``51.47,40.64``."""
+    values = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a number: use a decimal point (40.7); separate "
+                "several points with commas"
+            ) from None
+    return values
 
 
 # -- serve -----------------------------------------------------------------------------
@@ -46,7 +97,8 @@ def _add_serve(sub: Any) -> None:
         "serve",
         help="run the gRPC server",
         description="Run the geonear server. Settings also come from "
-        "GEONEAR_* environment variables.",
+        "GEONEAR_* environment variables. A setting that cannot work (a port in use, "
+        "--backend gpu without a GPU) stops it at once, before any data is loaded.",
     )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 50051; 0 picks a free one)")
@@ -127,14 +179,116 @@ def _add_serve(sub: Any) -> None:
     ops.add_argument(
         "--shutdown-grace-s", type=float, help="seconds calls in flight get at shutdown (5)"
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=_serve)
+
+
+def _setting_flag(location: Sequence[Any]) -> str:
+    """``--max-k / GEONEAR_MAX_K`` for a settings field's location."""
+    name = str(location[-1]) if location else "settings"
+    return f"--{name.replace('_', '-')} / GEONEAR_{name.upper()}"
+
+
+def _settings_error(exc: Any) -> str:
+    """A pydantic ValidationError as one line naming the flags."""
+    parts = []
+    for error in exc.errors():
+        location = [str(p) for p in error.get("loc", ())]
+        message = str(error.get("msg", "invalid"))
+        value = error.get("input")
+        if location:
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            parts.append(f"{_setting_flag(location)}: {message}{shown}")
+        else:
+            parts.append(message.removeprefix("Value error, "))
+    return "bad setting: " + "; ".join(parts)
+
+
+def _port_problem(host: str, port: int, what: str) -> str | None:
+    """Why ``host:port`` cannot be bound now, or None. Port 0 always binds."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        return f"cannot bind {host}:{port}: {host!r} is not a known address ({exc.strerror})"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port left in TIME_WAIT by an earlier server is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"{what} {port} on {host} is in use (is another geonear serve "
+                        "running?); choose another with --port, or --port 0 for a free one"
+                    )
+                if exc.errno == errno.EACCES:
+                    return f"no permission to bind {what} {port} on {host}; use a port above 1023"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"cannot bind {host}: not an address of this machine (--host)"
+                return f"cannot bind {host}:{port}: {exc.strerror}"
+    return None
+
+
+def _data_dir_problem(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    if path.exists() and not path.is_dir():
+        return f"--data-dir {path} is a file, not a directory"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--data-dir {path}: no permission to write in {existing}"
+    return None
+
+
+def _startup_problem(settings: Any) -> str | None:
+    """Why the server cannot start with ``settings``, found before anything is loaded.
+
+    Checked: the engine and backend are available here, the data directory can be
+    written, the port (and metrics port) can be bound, the TLS and token files read.
+    """
+    from geonear.service.engines import GPU_ENGINES, engine_names, gpu_available
+
+    if settings.engine is not None and settings.engine not in engine_names():
+        return f"unknown --engine {settings.engine!r}; choose one of {', '.join(engine_names())}"
+    wants_gpu = settings.backend == "gpu" or settings.engine in GPU_ENGINES
+    if wants_gpu:
+        ok, why = gpu_available()
+        if not ok:
+            asked = "--backend gpu" if settings.backend == "gpu" else f"--engine {settings.engine}"
+            return f"{asked} needs a working GPU, but {why}; use --backend cpu or auto"
+    for flag, path in (
+        ("--tls-cert", settings.tls_cert),
+        ("--tls-key", settings.tls_key),
+        ("--tls-client-ca", settings.tls_client_ca),
+        ("--auth-tokens", settings.auth_tokens),
+    ):
+        if path is not None and not os.access(path, os.R_OK):
+            return f"{flag} {path}: cannot read the file"
+    if settings.auth_tokens is not None:
+        from geonear.service.auth import load_tokens
+
+        load_tokens(settings.auth_tokens)  # raises TokenFileError naming the line
+    problem = _data_dir_problem(settings.data_dir)
+    if problem:
+        return problem
+    problem = _port_problem(settings.host, settings.port, "port")
+    if problem is None and settings.metrics_port:
+        problem = _port_problem(settings.host, settings.metrics_port, "--metrics-port")
+    return problem
 
 
 def _serve(args: argparse.Namespace) -> int:
     import pydantic
 
     from geonear.service.auth import TokenFileError
+    from geonear.service.engines import EngineUnavailable
     from geonear.service.server import serve
     from geonear.service.settings import Limits, ServerSettings
 
@@ -179,29 +333,43 @@ def _serve(args: argparse.Namespace) -> int:
     }
     try:
         settings = ServerSettings(**given, limits=Limits(**limits))
-        serve(settings)
-    except (TokenFileError, pydantic.ValidationError) as exc:
+        problem = _startup_problem(settings)
+    except pydantic.ValidationError as exc:
+        raise ValueError(_settings_error(exc)) from exc
+    except TokenFileError as exc:
         raise ValueError(str(exc)) from exc
+    if problem:
+        raise ValueError(problem)
+    try:
+        serve(settings)
+    except EngineUnavailable as exc:
+        raise ValueError(str(exc)) from exc
+    except RuntimeError as exc:
+        # Another process took the port between the check above and the bind.
+        if "bind" not in str(exc):
+            raise
+        raise OSError(str(exc).split(";")[0]) from exc
     return 0
 
 
 # -- client commands -------------------------------------------------------------------
 def _client_parser(sub: Any, name: str, help: str, func: Callable[..., int]) -> Any:
-    p = sub.add_parser(name, help=help, description=help)
-    p.add_argument("--target", default=DEFAULT_TARGET, help="server host:port")
-    p.add_argument("--timeout-s", type=float, default=None, help="deadline of the call")
-    p.add_argument("--tls", action="store_true", help="use TLS, trusting the system's CAs")
-    p.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate")
-    p.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
-    p.add_argument("--tls-key", help="PEM client key, for mutual TLS")
-    p.add_argument("--tls-server-name", help="name to verify in the server's certificate")
-    p.add_argument(
-        "--token",
-        default=os.environ.get("GEONEAR_TOKEN"),
-        help="bearer token (default: the GEONEAR_TOKEN environment variable)",
-    )
+    p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    add_connection_arguments(p)
+    p.add_argument("--timeout-s", type=float, default=None, help="deadline of the call, seconds")
     p.set_defaults(func=func)
     return p
+
+
+def _add_output(p: argparse.ArgumentParser, what: str = "the results") -> None:
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help=f"write {what} to FILE (.parquet, .csv or .arrow) instead of printing them",
+    )
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--limit", type=int, default=PRINT_ROWS, metavar="N", help="rows to print")
+    shown.add_argument("--all", action="store_true", help="print every row")
 
 
 def _datasets(client: Client, args: argparse.Namespace) -> int:
@@ -245,33 +413,52 @@ def _drop(client: Client, args: argparse.Namespace) -> int:
 
 
 def _add_points(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lat", type=_floats, help="latitude(s), degrees, comma-separated")
-    p.add_argument("--lon", type=_floats, help="longitude(s), degrees")
+    p.add_argument(
+        "--lat",
+        type=_floats,
+        metavar="DEGREES",
+        help="query latitude(s), comma-separated: 51.47,40.64",
+    )
+    p.add_argument(
+        "--lon",
+        type=_floats,
+        metavar="DEGREES",
+        help="query longitude(s); a list that starts with a minus: --lon=-0.45,-73.78",
+    )
     p.add_argument(
         "--queries",
         metavar="FILE",
         help="query points from a file (CSV, Parquet, Arrow, GeoJSON, GeoParquet; "
-        "lat/lon columns detected) instead of --lat/--lon",
+        "lat/lon columns detected) instead of --lat/--lon; its columns come along in "
+        "the results (query_NAME where a name is taken, and query_lat, query_lon)",
     )
+
+
+def _add_columns(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--out",
-        metavar="FILE",
-        help="write the results to FILE (.parquet, .csv or .arrow; a matrix also "
-        ".npy) instead of printing them",
+        "--columns",
+        default="",
+        metavar="NAMES",
+        help="dataset attribute columns to add, comma-separated",
     )
-    p.add_argument("--columns", default="", help="attribute columns to add, comma-separated")
 
 
 def _query_points(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(lat, lon) of --queries FILE or of --lat/--lon."""
+    """(queries, None) for --queries FILE, else (lat, lon) of --lat/--lon."""
     if args.queries:
         if args.lat is not None or args.lon is not None:
             raise ValueError("give --queries or --lat/--lon, not both")
-        from geonear.loaders import read_query_points
+        from geonear.loaders import read_query_frame
 
-        return read_query_points(args.queries)
+        return read_query_frame(args.queries), None
     if args.lat is None or args.lon is None:
         raise ValueError("give query points with --lat and --lon, or --queries FILE")
+    if len(args.lat) != len(args.lon):
+        raise ValueError(
+            f"--lat has {len(args.lat)} values and --lon {len(args.lon)}: give one "
+            "longitude per latitude; use a decimal point (40.7); separate several points "
+            "with commas"
+        )
     return args.lat, args.lon
 
 
@@ -279,20 +466,26 @@ def _write_or_print(frame: pd.DataFrame, args: argparse.Namespace, title: str) -
     if args.out:
         from geonear.loaders import write_table
 
-        rows = write_table(frame, args.out)
-        _console.print(f"wrote {rows} rows to {args.out}")
+        rows = write_table(frame.reset_index(drop=True), args.out)
+        _console.print(f"wrote {rows} rows to {args.out}", highlight=False)
     else:
-        _print_frame(frame, title)
+        _print_frame(frame.reset_index(drop=True), title, _limit(args))
 
 
 def _columns(args: argparse.Namespace) -> list[str]:
-    return [c for c in args.columns.split(",") if c]
+    return [c.strip() for c in args.columns.split(",") if c.strip()]
 
 
 def _knn(client: Client, args: argparse.Namespace) -> int:
     lat, lon = _query_points(args)
     frame = client.knn(
-        args.name, lat, lon, k=args.k, max_distance_m=args.max_distance_m, columns=_columns(args)
+        args.name,
+        lat,
+        lon,
+        k=args.k,
+        max_distance_m=args.max_distance_m,
+        columns=_columns(args),
+        query_columns=True if lon is None else None,
     )
     _write_or_print(frame, args, f"{args.k} nearest in {args.name}")
     return 0
@@ -300,7 +493,16 @@ def _knn(client: Client, args: argparse.Namespace) -> int:
 
 def _radius(client: Client, args: argparse.Namespace) -> int:
     lat, lon = _query_points(args)
-    frame = client.radius(args.name, lat, lon, args.radius_m, columns=_columns(args))
+    frame = client.radius(
+        args.name,
+        lat,
+        lon,
+        radius_m=args.radius_m,
+        columns=_columns(args),
+        query_columns=True if lon is None else None,
+        max_per_query=args.max_per_query,
+        sort=args.sort,
+    )
     _write_or_print(frame, args, f"within {args.radius_m} m in {args.name}")
     return 0
 
@@ -309,23 +511,39 @@ def _matrix(client: Client, args: argparse.Namespace) -> int:
     if args.name is None and args.lat2 is None:
         raise ValueError("give a dataset NAME or --lat2/--lon2")
     lat, lon = _query_points(args)
+    if not args.out:
+        # Refused before the work: a matrix wider than a screen is no use printed.
+        columns = client.info(args.name).rows if args.name is not None else len(args.lat2)
+        if columns > PRINT_MATRIX_COLUMNS:
+            rows = len(lat)
+            raise ValueError(
+                f"a {rows:,} x {columns:,} matrix is too wide to print (more than "
+                f"{PRINT_MATRIX_COLUMNS} columns): {_OUT_HINT.replace('.arrow', '.arrow or .npy')}"
+            )
     m = client.distance_matrix(
         lat, lon, name=args.name, lat2=args.lat2, lon2=args.lon2, dtype=args.dtype
     )
     if args.out and args.out.endswith(".npy"):
         np.save(args.out, m)
-        _console.print(f"wrote a {m.shape[0]} x {m.shape[1]} {m.dtype} matrix to {args.out}")
+        _console.print(
+            f"wrote a {m.shape[0]} x {m.shape[1]} {m.dtype} matrix to {args.out}", highlight=False
+        )
     elif args.out:
         # Long form, one row per (query, column) pair: what Parquet/CSV readers expect.
-        rows, cols = np.indices(m.shape)
+        rows_i, cols_i = np.indices(m.shape)
         frame = pd.DataFrame(
-            {"query_index": rows.ravel(), "column_index": cols.ravel(), "distance_m": m.ravel()}
+            {
+                "query_index": rows_i.ravel(),
+                "column_index": cols_i.ravel(),
+                "distance_m": m.ravel(),
+            }
         )
         _write_or_print(frame, args, "distance matrix, metres")
     else:
         _print_frame(
             pd.DataFrame(m, columns=[f"col {j}" for j in range(m.shape[1])]),
             "distance matrix, metres",
+            _limit(args),
         )
     return 0
 
@@ -339,9 +557,16 @@ def _kmeans(client: Client, args: argparse.Namespace) -> int:
         max_iter=args.max_iter,
         tol=args.tol,
         weights=args.weights,
+        return_labels=bool(args.out),
     )
-    _print_frame(out.centroids, f"{args.k} clusters of {args.name}")
+    _print_frame(out.centroids, f"{args.k} clusters of {args.name}", _limit(args))
     _console.print(f"inertia {out.inertia_m2:.6g} m^2 after {out.n_iter} iterations")
+    if args.out:
+        from geonear.loaders import write_table
+
+        assert out.labels is not None
+        rows = write_table(out.labels, args.out)
+        _console.print(f"wrote {rows} labels (id, cluster) to {args.out}", highlight=False)
     return 0
 
 
@@ -351,21 +576,15 @@ def _server_info(client: Client, args: argparse.Namespace) -> int:
         f"geonear {i.version}: backend {i.backend} on {i.device}; earth radius "
         f"{i.earth_radius_m} m; engines {', '.join(i.engines)}"
     )
-    _console.print(str(i.limits).strip().replace("\n", "; "))
+    _console.print(i.limits.describe(), highlight=False)
     return 0
 
 
 def _run_client(func: Callable[[Client, argparse.Namespace], int]) -> Callable[..., int]:
     def run(args: argparse.Namespace) -> int:
+        options = connection_options(args)
         with Client(
-            args.target,
-            timeout_s=args.timeout_s,
-            tls=args.tls,
-            tls_ca=args.tls_ca,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            token=args.token,
-            server_name=args.tls_server_name,
+            options.target, timeout_s=args.timeout_s, **options.client_keywords()
         ) as client:
             return func(client, args)
 
@@ -374,7 +593,10 @@ def _run_client(func: Callable[[Client, argparse.Namespace], int]) -> Callable[.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="geonear", description="geonear: geospatial nearest-neighbour analytics over gRPC."
+        prog="geonear",
+        description="geonear: geospatial nearest-neighbour analytics over gRPC. Client "
+        "commands reach the server at --target, default GEONEAR_TARGET or "
+        "localhost:50051; GEONEAR_TOKEN and GEONEAR_TLS* set the token and TLS.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -389,32 +611,76 @@ def build_parser() -> argparse.ArgumentParser:
         ("info", "describe a dataset", _info),
         ("drop", "drop a dataset", _drop),
     ):
-        _client_parser(sub, name, help_text, _run_client(func)).add_argument("name")
+        _client_parser(sub, name, help_text, _run_client(func)).add_argument(
+            "name", help="dataset name"
+        )
     p = _client_parser(sub, "knn", "k nearest neighbours of query points", _run_client(_knn))
-    p.add_argument("name")
+    p.add_argument("name", help="dataset to search")
     _add_points(p)
-    p.add_argument("-k", type=int, default=10)
-    p.add_argument("--max-distance-m", type=float, default=None)
+    p.add_argument("-k", type=int, default=10, help="neighbours per query")
+    p.add_argument(
+        "--max-distance-m",
+        type=float,
+        default=None,
+        metavar="METRES",
+        help="leave out neighbours farther than this (default: no bound)",
+    )
+    _add_columns(p)
+    _add_output(p)
     p = _client_parser(
         sub, "radius", "points within a radius of query points", _run_client(_radius)
     )
-    p.add_argument("name")
+    p.add_argument("name", help="dataset to search")
     _add_points(p)
-    p.add_argument("--radius-m", type=float, required=True)
+    p.add_argument(
+        "--radius-m", type=float, required=True, metavar="METRES", help="search radius, metres"
+    )
+    p.add_argument(
+        "--max-per-query",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the first N points of each query in --sort order, like GEOSEARCH COUNT "
+        "(applied by this client to what the server sends; default: all)",
+    )
+    p.add_argument(
+        "--sort",
+        choices=["asc", "desc"],
+        default="asc",
+        help="order of each query's points by distance",
+    )
+    _add_columns(p)
+    _add_output(p)
     p = _client_parser(sub, "matrix", "great-circle distance matrix, metres", _run_client(_matrix))
-    p.add_argument("name", nargs="?", default=None, help="dataset for the columns")
+    p.add_argument("name", nargs="?", default=None, help="dataset whose points are the columns")
     _add_points(p)
-    p.add_argument("--lat2", type=_floats, help="column latitudes (instead of a dataset)")
-    p.add_argument("--lon2", type=_floats, help="column longitudes")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument(
+        "--lat2", type=_floats, metavar="DEGREES", help="column latitudes (instead of a dataset)"
+    )
+    p.add_argument("--lon2", type=_floats, metavar="DEGREES", help="column longitudes")
+    p.add_argument(
+        "--dtype",
+        choices=["float64", "float32"],
+        default="float64",
+        help="float32 halves the bytes, about 1-4 m error",
+    )
+    _add_output(p, "the matrix (also .npy; Parquet/CSV/Arrow in long form)")
     p = _client_parser(sub, "kmeans", "spherical k-means of a dataset", _run_client(_kmeans))
-    p.add_argument("name")
-    p.add_argument("-k", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-init", type=int, default=1)
-    p.add_argument("--max-iter", type=int, default=100)
-    p.add_argument("--tol", type=float, default=1e-6)
+    p.add_argument("name", help="dataset to cluster")
+    p.add_argument("-k", type=int, required=True, help="number of clusters")
+    p.add_argument("--seed", type=int, default=0, help="seed of the k-means++ initialisation")
+    p.add_argument(
+        "--n-init", type=int, default=1, help="initialisations run; the lowest inertia wins"
+    )
+    p.add_argument("--max-iter", type=int, default=100, help="most iterations of each run")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-6,
+        help="stop when no centroid moves more than this, radians",
+    )
     p.add_argument("--weights", default=None, help="numeric column holding point weights")
+    _add_output(p, "each point's cluster (id, cluster)")
     _add_tool_commands(sub)
     return parser
 
@@ -456,15 +722,41 @@ def _add_tool_commands(sub: Any) -> None:
         p.set_defaults(func=run)
 
 
+#: API words in messages (the server's and the loaders') and the command line's for them.
+_CLI_WORDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), words)
+    for pattern, words in (
+        (r"ListDatasets shows the names there are", "`geonear datasets` lists them"),
+        (r"use mode replace or append", "use --mode replace or --mode append"),
+        (r"(?<!-)\bmode (create|replace|append)\b", r"--mode \1"),
+        (r"pass --format / format=", "pass --format"),
+        (r"\bpass format=", "pass --format"),
+        (r"name it with the (lat|lon|id)_column option", r"name it with --\1"),
+        (r"(--[a-z-]+) / [a-z_]+=", r"\1"),
+        (r" \((skip_invalid=True|id=False|id='COLUMN')\)", ""),
+        (r"pass id=False / --row-ids", "pass --row-ids"),
+        (r"\bmax_distance_m\b", "--max-distance-m"),
+        (r"\bradius_m\b", "--radius-m"),
+    )
+)
+
+
+def cli_message(text: str) -> str:
+    """A message in the command line's words (``--mode replace``, not ``mode replace``)."""
+    for pattern, words in _CLI_WORDS:
+        text = pattern.sub(words, text)
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except GeoNearError as exc:
-        print(f"geonear: {exc}", file=sys.stderr)
+        print(f"geonear: {exc.code.name}: {cli_message(exc.message)}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as exc:
-        print(f"geonear: {exc}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"geonear: {cli_message(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

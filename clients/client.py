@@ -1,13 +1,16 @@
 """The Python client: ``geonear.connect(...)`` and :class:`Client`.
 
-Calls take and return pandas / pyarrow / NumPy objects; errors raise the
-:mod:`geonear.clients.errors` hierarchy with the server's status and message.
+Calls take and return pandas / pyarrow / NumPy objects and the dataclasses of
+:mod:`geonear.clients.models`; errors raise the :mod:`geonear.clients.errors`
+hierarchy with the server's status and message.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,11 +28,13 @@ from geonear._wire import (
     points_to_message,
     table_to_messages,
 )
-from geonear.clients.errors import ResourceExhausted, from_rpc_error
+from geonear.clients.cli_options import DEFAULT_TARGET
+from geonear.clients.errors import GeoNearError, ResourceExhausted, from_rpc_error
+from geonear.clients.models import DatasetInfo, DeleteResult, ServerInfo
+from geonear.clients.query_points import Queries, attach_queries, queries
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
-DEFAULT_TARGET = "localhost:50051"
 #: Query points per request; larger query sets are split and the results joined.
 QUERY_CHUNK = 100_000
 #: KNN calls expecting at most this many rows (queries x k), without attribute columns,
@@ -39,6 +44,9 @@ COMPACT_ROWS = 4096
 COMPACT_RADIUS_QUERIES = 16
 _MODES = {"create": pb.CREATE, "replace": pb.REPLACE, "append": pb.APPEND}
 _MESSAGE_BYTES = 64 * 1024 * 1024
+_UNKNOWN_DATASET = re.compile(r"no dataset named '([^']*)'")
+#: Words of gRPC's message when nothing answers at the address.
+_UNREACHABLE = ("connection refused", "failed to connect", "dns resolution failed")
 
 
 @dataclass(frozen=True)
@@ -52,16 +60,6 @@ class KMeansOutcome:
     labels: pd.DataFrame | None = None
 
 
-def _as_points(lat: Any, lon: Any) -> tuple[np.ndarray, np.ndarray]:
-    lat_a = np.atleast_1d(np.asarray(lat, dtype=np.float64))
-    lon_a = np.atleast_1d(np.asarray(lon, dtype=np.float64))
-    if lat_a.shape != lon_a.shape or lat_a.ndim != 1:
-        raise ValueError(
-            f"lat and lon must be 1-D of one length, got {lat_a.shape} and {lon_a.shape}"
-        )
-    return lat_a, lon_a
-
-
 def _split_ids(ids: Iterable[Any]) -> tuple[list[int], list[str]]:
     """Ids as the (int_ids, string_ids) pair of the contract; one of the two is empty."""
     values = list(ids)
@@ -70,19 +68,34 @@ def _split_ids(ids: Iterable[Any]) -> tuple[list[int], list[str]]:
     return [int(v) for v in values], []
 
 
-def _as_table(data: Any) -> Iterator[pa.RecordBatch] | pa.Table:
-    if isinstance(data, pa.Table):
-        return data
-    if isinstance(data, pa.RecordBatchReader):
-        return iter(data)
-    if isinstance(data, pa.RecordBatch):
-        return pa.Table.from_batches([data])
-    if isinstance(data, pd.DataFrame):
-        return pa.Table.from_pandas(data, preserve_index=False)
-    raise TypeError(
-        f"upload takes a pandas DataFrame, pyarrow Table, RecordBatch or "
-        f"RecordBatchReader, got {type(data).__name__}"
-    )
+def _column_list(columns: str | Sequence[str] | None) -> list[str]:
+    """Attribute columns: one name as a string, or a sequence of names."""
+    if columns is None:
+        return []
+    if isinstance(columns, str):
+        return [columns]
+    return [str(c) for c in columns]
+
+
+def _limit_per_query(table: pa.Table, max_per_query: int | None, sort: str) -> pa.Table:
+    """Radius rows ordered ``asc`` (nearest first) or ``desc``, at most n per query.
+
+    Applied to what the server sent: it saves memory and printing, not the transfer.
+    """
+    if sort not in ("asc", "desc"):
+        raise ValueError(f"sort must be 'asc' or 'desc', got {sort!r}")
+    if max_per_query is not None and max_per_query < 0:
+        raise ValueError(f"max_per_query must be >= 0, got {max_per_query}")
+    if sort == "asc" and max_per_query is None:
+        return table
+    query = table.column("query_index").to_numpy()
+    rank = table.column("rank").to_numpy().astype(np.int64)
+    order = np.lexsort((rank if sort == "asc" else -rank, query))
+    if max_per_query is not None:
+        ordered = query[order]
+        position = np.arange(ordered.shape[0]) - np.searchsorted(ordered, ordered, side="left")
+        order = order[position < max_per_query]
+    return table.take(pa.array(order))
 
 
 Pem = str | os.PathLike | bytes
@@ -200,6 +213,8 @@ class Client:
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._secure = bool(tls or tls_ca is not None or tls_cert is not None)
+        self._token = bool(token)
         self._channel = channel or open_channel(
             target,
             tls=tls,
@@ -211,6 +226,9 @@ class Client:
         )
         self._stub = pb_grpc.GeoNearStub(self._channel)
         self._on_close: list[Any] = []
+        self._closed = False
+        #: True when this client started the server it talks to (``geonear.connect()``).
+        self.in_process = False
 
     # -- plumbing ------------------------------------------------------------------------
     def close(self) -> None:
@@ -218,6 +236,7 @@ class Client:
         for hook in reversed(self._on_close):
             hook()
         self._on_close.clear()
+        self._closed = True
 
     def __enter__(self) -> Client:
         return self
@@ -225,17 +244,53 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        how = ["in-process server" if self.in_process else "remote server"]
+        if self._secure:
+            how.append("TLS")
+        if self._token:
+            how.append("token")
+        how.append("closed" if self._closed else "open")
+        return f"Client({self.target!r}, {', '.join(how)})"
+
+    def _error(self, exc: grpc.RpcError) -> GeoNearError:
+        """The client error for ``exc``, with a hint where one helps."""
+        error = from_rpc_error(exc)
+        if error.code == grpc.StatusCode.NOT_FOUND:
+            match = _UNKNOWN_DATASET.search(error.message)
+            if match:
+                error.message += self._did_you_mean(match.group(1))
+        elif error.code == grpc.StatusCode.UNAVAILABLE and any(
+            word in error.message.lower() for word in _UNREACHABLE
+        ):
+            error.message = (
+                f"cannot reach a server at {self.target} ({error.message}); is a server "
+                "running there? Start one with `geonear serve`"
+            )
+        return error
+
+    def _did_you_mean(self, name: str) -> str:
+        try:
+            found = self._stub.ListDatasets(pb.ListDatasetsRequest(), timeout=10)
+        except grpc.RpcError:
+            return ""
+        names = [d.name for d in found.datasets]
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        if close:
+            return "; did you mean " + " or ".join(map(repr, close)) + "?"
+        return f"; there are {', '.join(map(repr, names))}" if names else "; there are none"
+
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
 
     def _stream(self, method: str, request: Any, timeout_s: float | None = None) -> list[Any]:
         try:
             return list(getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s))
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
 
     # -- datasets ------------------------------------------------------------------------
     def upload(
@@ -243,32 +298,78 @@ class Client:
         name: str,
         data: Any,
         *,
-        lat: str = "lat",
-        lon: str = "lon",
-        id: str = "id",
+        lat: str | None = None,
+        lon: str | None = None,
+        id: str | bool | None = None,
+        mode: str = "create",
+        skip_invalid: bool = False,
+        timeout_s: float | None = None,
+    ) -> DatasetInfo:
+        """Upload points as dataset ``name``; returns the new version's description.
+
+        Parameters
+        ----------
+        data : DataFrame, GeoDataFrame, GeoSeries, pyarrow Table or stream, or a path
+            The points: anything :func:`geonear.loaders.read_points` reads, files
+            included. A GeoDataFrame's point geometry gives lat and lon.
+        lat, lon, id : str, optional
+            Columns to use, detected when None as ``geonear load`` detects them
+            (lat/latitude/y, lon/lng/long/longitude/x, id/name/code; any case).
+            Without an id column row numbers become ids; ``id=False`` numbers the rows
+            even when an id-like column exists.
+        mode : {"create", "replace", "append"}
+            create fails if the dataset exists.
+        skip_invalid : bool
+            Drop rows with bad coordinates or ids instead of raising.
+
+        Coordinates and ids are checked here before anything is sent: a bad row raises
+        :class:`geonear.loaders.InvalidPoints` and a missing or ambiguous column
+        :class:`geonear.loaders.ColumnError` (both ValueErrors), and nothing is stored.
+        """
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
+        from geonear.loaders.points import upload_points
+
+        result = upload_points(
+            self,
+            name,
+            data,
+            mode=mode,
+            lat=lat,
+            lon=lon,
+            id=id,
+            skip_invalid=skip_invalid,
+            timeout_s=timeout_s,
+        )
+        return result.dataset  # type: ignore[no-any-return]
+
+    def upload_mapped(
+        self,
+        name: str,
+        batches: pa.RecordBatchReader | pa.Table,
+        *,
         mode: str = "create",
         timeout_s: float | None = None,
-    ) -> pb.DatasetInfo:
-        """Upload a DataFrame, Table or RecordBatchReader as dataset ``name``.
+    ) -> DatasetInfo:
+        """Send points whose columns are already ``id`` (optional), ``lat``, ``lon``, ...
 
-        ``mode`` is create (fails if the name exists), replace or append. Returns the
-        new version's description.
+        The layer under :meth:`upload`, for streams that
+        :func:`geonear.loaders.read_points` made: no column detection, no checks.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         header = pb.UploadHeader(
-            dataset=name, mode=_MODES[mode], lat_column=lat, lon_column=lon, id_column=id
+            dataset=name, mode=_MODES[mode], lat_column="lat", lon_column="lon", id_column="id"
         )
-        source = _as_table(data)
 
         def requests() -> Iterator[pb.UploadRequest]:
             yield pb.UploadRequest(header=header)
-            if isinstance(source, pa.Table):
-                for message in table_to_messages(source):
+            if isinstance(batches, pa.Table):
+                for message in table_to_messages(batches):
                     yield pb.UploadRequest(data=message)
                 return
             first = True
-            for batch in source:
+            for batch in batches:
                 for message in table_to_messages(pa.Table.from_batches([batch])):
                     if not first:
                         message.schema = b""
@@ -278,116 +379,153 @@ class Client:
         try:
             response = self._stub.Upload(requests(), timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
-        return response.dataset
+            raise self._error(exc) from exc
+        return DatasetInfo.from_message(response.dataset)
 
-    def datasets(self) -> list[pb.DatasetInfo]:
-        return list(self._call("ListDatasets", pb.ListDatasetsRequest()).datasets)
+    def datasets(self) -> list[DatasetInfo]:
+        """Every dataset's current version, by name."""
+        found = self._call("ListDatasets", pb.ListDatasetsRequest())
+        return [DatasetInfo.from_message(d) for d in found.datasets]
 
-    def info(self, name: str) -> pb.DatasetInfo:
-        return self._call("GetDataset", pb.GetDatasetRequest(dataset=name))
+    def info(self, name: str) -> DatasetInfo:
+        """Dataset ``name``'s current version: rows, columns, bounding box, memory."""
+        return DatasetInfo.from_message(
+            self._call("GetDataset", pb.GetDatasetRequest(dataset=name))
+        )
 
     def drop(self, name: str) -> int:
         """Drop dataset ``name``; returns the version that was dropped."""
         return int(self._call("DropDataset", pb.DropDatasetRequest(dataset=name)).version)
 
-    def delete(self, name: str, ids: Iterable[int] | Iterable[str]) -> pb.DeleteRowsResponse:
+    def delete(self, name: str, ids: Iterable[int] | Iterable[str]) -> DeleteResult:
         """Delete the rows with these ids; returns the new version and the counts."""
         int_ids, string_ids = _split_ids(ids)
         request = pb.DeleteRowsRequest(dataset=name, int_ids=int_ids, string_ids=string_ids)
-        return self._call("DeleteRows", request)
+        return DeleteResult.from_message(self._call("DeleteRows", request))
 
-    def server_info(self) -> pb.ServerInfoResponse:
-        return self._call("ServerInfo", pb.ServerInfoRequest())
+    def server_info(self) -> ServerInfo:
+        """The server's version, backend, device, earth radius, limits and engines."""
+        return ServerInfo.from_message(self._call("ServerInfo", pb.ServerInfoRequest()))
 
     # -- queries -------------------------------------------------------------------------
-    def _neighbour_query(
-        self,
-        method: str,
-        make_request: Any,
-        lat: Any,
-        lon: Any,
-        as_arrow: bool,
-        compact: bool = False,
-    ) -> pd.DataFrame | pa.Table:
-        lat_a, lon_a = _as_points(lat, lon)
+    def _neighbour_table(
+        self, method: str, make_request: Any, found: Queries, compact: bool = False
+    ) -> pa.Table:
         if compact:
             try:
-                found = self._call(
-                    method + "Compact", make_request(points_to_message(lat_a, lon_a))
+                answer = self._call(
+                    method + "Compact", make_request(points_to_message(found.lat, found.lon))
                 )
             except ResourceExhausted:
                 pass  # more rows than a compact answer holds: stream them instead
             else:
-                table = compact_to_table(found)
-                return table if as_arrow else table.to_pandas()
+                return compact_to_table(answer)
         parts = []
-        for start in range(0, max(1, lat_a.shape[0]), QUERY_CHUNK):
+        for start in range(0, max(1, len(found)), QUERY_CHUNK):
             points = points_to_message(
-                lat_a[start : start + QUERY_CHUNK], lon_a[start : start + QUERY_CHUNK]
+                found.lat[start : start + QUERY_CHUNK], found.lon[start : start + QUERY_CHUNK]
             )
             table = messages_to_table(self._stream(method, make_request(points)))
             if start:
                 offset = pa.compute.add(table.column("query_index"), start)
                 table = table.set_column(0, "query_index", offset)
             parts.append(table)
-        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        return table if as_arrow else table.to_pandas()
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
     def knn(
         self,
         name: str,
         lat: Any,
-        lon: Any,
+        lon: Any = None,
         k: int = 10,
         *,
         max_distance_m: float | None = None,
-        columns: Sequence[str] = (),
+        columns: str | Sequence[str] | None = None,
+        query_columns: str | Sequence[str] | bool | None = None,
         as_arrow: bool = False,
+        as_geo: bool = False,
     ) -> pd.DataFrame | pa.Table:
-        """The k nearest points of ``name`` to each (lat, lon) query, degrees.
+        """The k nearest points of dataset ``name`` to each query, nearest first.
 
-        Returns columns query_index, rank, id, distance_m (great-circle metres), then
-        the requested attribute ``columns``; nearest first per query.
+        Parameters
+        ----------
+        lat, lon : float or array-like, degrees
+            The query points, latitude first. Or ``lat`` alone: a pandas DataFrame
+            (lat/lon columns detected as in :meth:`upload`), a GeoDataFrame or a
+            GeoSeries of points (EPSG:4326); then pass ``k`` and the rest by keyword.
+        k : int
+            Neighbours per query; more than the dataset holds returns every point.
+        max_distance_m : float, optional
+            Leave out neighbours farther than this, metres.
+        columns : str or sequence of str
+            Dataset attribute columns to add; a string is one column name.
+        query_columns : str, sequence of str or True, optional
+            Columns of the query frame to add (True: all of them), named
+            ``query_NAME`` where NAME is taken by the result or is lat, lon or geometry.
+        as_arrow : bool
+            Return a pyarrow Table (no index).
+        as_geo : bool
+            Return a GeoDataFrame whose geometry is each row's query point, EPSG:4326
+            (needs geopandas: ``pip install 'geonear[geo]'``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Columns query_index (0-based position of the query), rank, id, distance_m
+            (great-circle metres), the attribute ``columns``, then ``query_columns``.
+            When the queries have an index (a DataFrame, GeoSeries or Series), each row
+            carries its query's index label.
         """
+        found = queries(lat, lon, "knn queries")
+        wanted = _column_list(columns)
 
         def request(points: pb.Points) -> pb.KnnRequest:
             return pb.KnnRequest(
-                dataset=name,
-                queries=points,
-                k=k,
-                max_distance_m=max_distance_m,
-                columns=list(columns),
+                dataset=name, queries=points, k=k, max_distance_m=max_distance_m, columns=wanted
             )
 
-        n_queries = np.size(lat)
-        compact = not columns and n_queries * k <= COMPACT_ROWS
-        return self._neighbour_query("Knn", request, lat, lon, as_arrow, compact)
+        compact = not wanted and len(found) * k <= COMPACT_ROWS
+        table = self._neighbour_table("Knn", request, found, compact)
+        return attach_queries(table, found, query_columns, as_arrow=as_arrow, as_geo=as_geo)
 
     def radius(
         self,
         name: str,
         lat: Any,
-        lon: Any,
-        radius_m: float,
+        lon: Any = None,
+        radius_m: float | None = None,
         *,
-        columns: Sequence[str] = (),
+        columns: str | Sequence[str] | None = None,
+        query_columns: str | Sequence[str] | bool | None = None,
+        max_per_query: int | None = None,
+        sort: str = "asc",
         as_arrow: bool = False,
+        as_geo: bool = False,
     ) -> pd.DataFrame | pa.Table:
-        """Every point of ``name`` within ``radius_m`` metres of each query; as ``knn``."""
+        """Every point of ``name`` within ``radius_m`` metres of each query; as :meth:`knn`.
+
+        ``sort`` orders each query's points by distance, ``asc`` (nearest first, as the
+        server sends them) or ``desc``; ``max_per_query`` keeps the first n of that
+        order (like Redis GEOSEARCH ``COUNT n ASC``). Both apply here, in the client,
+        to every point the server sent: they make results smaller, not faster.
+        """
+        if radius_m is None:
+            raise TypeError("radius() needs radius_m, metres")
+        found = queries(lat, lon, "radius queries")
+        wanted = _column_list(columns)
 
         def request(points: pb.Points) -> pb.RadiusRequest:
-            return pb.RadiusRequest(
-                dataset=name, queries=points, radius_m=radius_m, columns=list(columns)
-            )
+            return pb.RadiusRequest(dataset=name, queries=points, radius_m=radius_m, columns=wanted)
 
-        compact = not columns and np.size(lat) <= COMPACT_RADIUS_QUERIES
-        return self._neighbour_query("Radius", request, lat, lon, as_arrow, compact)
+        compact = not wanted and len(found) <= COMPACT_RADIUS_QUERIES
+        table = self._neighbour_table("Radius", request, found, compact)
+        table = _limit_per_query(table, max_per_query, sort)
+        return attach_queries(table, found, query_columns, as_arrow=as_arrow, as_geo=as_geo)
 
     def distance_matrix(
         self,
         lat: Any,
-        lon: Any,
+        lon: Any = None,
         name: str | None = None,
         lat2: Any = None,
         lon2: Any = None,
@@ -395,16 +533,20 @@ class Client:
         ids: Sequence[int] | Sequence[str] | None = None,
         dtype: str = "float64",
     ) -> np.ndarray:
-        """Great-circle metres from each (lat, lon) (rows) to a dataset or a second set.
+        """Great-circle metres from each query point (rows) to a dataset or a second set.
 
-        Columns are the points of dataset ``name`` (in row order, or the rows of ``ids``
-        in that order), or the points (``lat2``, ``lon2``). ``dtype`` float64 is exact;
-        float32 halves the bytes and carries up to about 4 m error at long range.
+        Rows are the points (``lat``, ``lon``), or ``lat`` alone as a DataFrame,
+        GeoDataFrame or GeoSeries (see :meth:`knn`). Columns are the points of dataset
+        ``name`` (in row order, or the rows of ``ids`` in that order), or the points
+        (``lat2``, ``lon2``), which may likewise be one frame given as ``lat2``.
+        ``dtype`` float64 is exact; float32 halves the bytes and carries up to about
+        4 m error at long range. Returns a NumPy array of shape (rows, columns).
         """
         if dtype not in ("float64", "float32"):
             raise ValueError(f"dtype must be float64 or float32, got {dtype!r}")
+        rows = queries(lat, lon, "matrix rows")
         request = pb.DistanceMatrixRequest(
-            queries=points_to_message(*_as_points(lat, lon)),
+            queries=points_to_message(rows.lat, rows.lon),
             dtype=pb.FLOAT64 if dtype == "float64" else pb.FLOAT32,
         )
         if name is not None:
@@ -413,8 +555,9 @@ class Client:
                 int_ids, string_ids = _split_ids(ids)
                 request.ids.int_ids.extend(int_ids)
                 request.ids.string_ids.extend(string_ids)
-        elif lat2 is not None and lon2 is not None:
-            request.targets.CopyFrom(points_to_message(*_as_points(lat2, lon2)))
+        elif lat2 is not None:
+            columns = queries(lat2, lon2, "matrix columns")
+            request.targets.CopyFrom(points_to_message(columns.lat, columns.lon))
         else:
             raise ValueError("give a dataset name or lat2 and lon2")
         out: np.ndarray | None = None
@@ -427,8 +570,7 @@ class Client:
                 tile.col_start : tile.col_start + tile.col_count,
             ] = values.reshape(tile.row_count, tile.col_count)
         if out is None:
-            n_rows = np.atleast_1d(np.asarray(lat)).shape[0]
-            out = np.empty((n_rows, 0), dtype=dtype)
+            out = np.empty((len(rows), 0), dtype=dtype)
         return out
 
     def kmeans(
@@ -528,4 +670,5 @@ def connect(
                 tmp.cleanup()
 
     client._on_close.append(stop)
+    client.in_process = True
     return client

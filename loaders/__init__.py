@@ -16,6 +16,7 @@ from geonear.loaders.points import (
     PointStream,
     open_points,
     read_points,
+    read_query_frame,
     read_query_points,
     upload_points,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "open_points",
     "open_source",
     "read_points",
+    "read_query_frame",
     "read_query_points",
     "uniform_points",
     "upload_points",

@@ -1,7 +1,8 @@
 """``geonear load`` and ``geonear generate``.
 
-``geonear load SOURCE --name NAME`` streams a file, glob, directory, ``-`` (CSV on
-standard input) or bundled data set into a server in record batches, validating each on
+``geonear load SOURCE --name NAME`` streams a file, glob, directory, ``-`` (standard
+input, CSV unless ``--format`` or its first bytes say otherwise) or bundled data set
+into a server in record batches, validating each on
 the way; ``geonear generate --n N --out FILE`` writes a synthetic point set in chunks.
 Both show a progress bar (rows, rows/s, time left) on a terminal and stay quiet
 otherwise. The command line wires them in through ``add_*_arguments`` / ``run_*``.
@@ -24,14 +25,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from geonear.clients.cli_options import (
+    HelpFormatter,
+    add_connection_arguments,
+    connection_options,
+)
 from geonear.loaders.bundled import DATA_SETS
 from geonear.loaders.points import PointStream, upload_points
 from geonear.loaders.readers import FORMATS
 from geonear.loaders.source import BATCH_ROWS
 from geonear.loaders.synthetic import write_points
 from geonear.loaders.writers import WRITE_FORMATS
-
-_DEFAULT_TARGET = "localhost:50051"
 
 
 def _progress(console: Console) -> Progress:
@@ -59,10 +63,11 @@ def _dataset_name(source: str) -> str:
 
 # -- load ----------------------------------------------------------------------------------
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = HelpFormatter
     p.add_argument(
         "source",
-        help="file, glob, directory, '-' (CSV on standard input) or a "
-        f"bundled data set ({', '.join(DATA_SETS)})",
+        help="file, glob, directory, '-' (standard input: CSV unless --format says "
+        f"otherwise) or a bundled data set ({', '.join(DATA_SETS)})",
     )
     p.add_argument("--name", help="dataset name (default: the bundled name or file stem)")
     p.add_argument("--lat", help="latitude column (default: detected: lat, latitude, y)")
@@ -79,22 +84,22 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         "--mode",
         choices=["create", "replace", "append"],
         default="create",
-        help="create fails if the dataset exists (default create)",
+        help="create fails if the dataset exists",
     )
     p.add_argument(
         "--skip-invalid",
         action="store_true",
         help="drop rows with bad coordinates or ids instead of failing",
     )
-    p.add_argument("--format", choices=list(FORMATS), help="override detection by extension")
-    p.add_argument("--delimiter", help="CSV delimiter (default: detected)")
     p.add_argument(
-        "--batch-rows",
-        type=int,
-        default=BATCH_ROWS,
-        help=f"rows per uploaded batch (default {BATCH_ROWS})",
+        "--format",
+        choices=list(FORMATS),
+        help="format of the source, standard input included (default: detected from the "
+        "extension, else the first bytes)",
     )
-    p.add_argument("--target", default=_DEFAULT_TARGET, help="server host:port")
+    p.add_argument("--delimiter", help="CSV delimiter (default: detected)")
+    p.add_argument("--batch-rows", type=int, default=BATCH_ROWS, help="rows per uploaded batch")
+    add_connection_arguments(p, title="server")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of the upload")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
 
@@ -125,7 +130,9 @@ def run_load(args: argparse.Namespace) -> int:
             total = progress.tasks[0].total
             progress.update(task, description=f"storing {name}", completed=total if total else None)
 
-    with Client(args.target, timeout_s=args.timeout_s) as client, progress:
+    options = connection_options(args)
+    client = Client(options.target, timeout_s=args.timeout_s, **options.client_keywords())
+    with client, progress:
         result = upload_points(
             client,
             name,
@@ -149,14 +156,15 @@ def run_load(args: argparse.Namespace) -> int:
 
 # -- generate ------------------------------------------------------------------------------
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = HelpFormatter
     p.add_argument("--n", type=int, required=True, help="number of points")
     p.add_argument("--out", required=True, help="output file: .parquet, .csv or .arrow/.feather")
     p.add_argument(
         "--clustered",
         action="store_true",
-        help="Gaussian clusters of unequal sizes (default: uniform on the sphere)",
+        help="Gaussian clusters of unequal sizes (without it: uniform on the sphere)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random points")
     p.add_argument("--clusters", type=int, default=200, help="clusters with --clustered")
     p.add_argument(
         "--spread-m",

@@ -7,7 +7,7 @@ import io
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 
@@ -140,9 +140,18 @@ def _feature_rows(
         yield coords[0], coords[1], props
 
 
-def read_geojson_files(files: Sequence[Path], batch_rows: int, what: str) -> Source:
+def read_geojson_files(files: Sequence[Path | BinaryIO], batch_rows: int, what: str) -> Source:
+    """GeoJSON files (or binary streams, such as standard input) as one source."""
+
     def features() -> Iterator[dict[str, Any]]:
         for path in files:
+            if not isinstance(path, Path):
+                text = io.TextIOWrapper(path, encoding="utf-8-sig")
+                try:
+                    yield from _geojson_features(_JsonStream(text, what))
+                finally:
+                    text.detach()  # the stream is the caller's to close
+                continue
             raw = pa.input_stream(str(path), compression="detect")
             with io.TextIOWrapper(raw, encoding="utf-8-sig") as text:
                 yield from _geojson_features(_JsonStream(text, str(path)))

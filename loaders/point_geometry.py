@@ -256,13 +256,48 @@ def is_geodataframe(obj: Any) -> bool:
     )
 
 
-def read_geopandas(frame: Any, batch_rows: int) -> Source:
-    """A GeoDataFrame of points: its active geometry decoded through WKB."""
-    if frame.crs is not None and frame.crs.to_epsg() != 4326:
+def is_geoseries(obj: Any) -> bool:
+    return any(
+        c.__module__.startswith("geopandas") and c.__name__ == "GeoSeries"
+        for c in type(obj).__mro__
+    )
+
+
+def _check_geopandas_crs(obj: Any) -> None:
+    if obj.crs is not None and obj.crs.to_epsg() != 4326:
+        kind = type(obj).__name__
         raise ValueError(
-            f"the GeoDataFrame's CRS is {frame.crs.to_string()}; convert it "
-            "with frame.to_crs(4326) first"
+            f"the {kind}'s CRS is {obj.crs.to_string()}; geonear needs longitude/latitude "
+            "on WGS84: convert it with .to_crs(4326) first"
         )
+
+
+def geopandas_points(obj: Any, what: str = "points") -> tuple[np.ndarray, np.ndarray]:
+    """(lat, lon) float64 degrees of a GeoSeries or GeoDataFrame of points.
+
+    Raises ValueError for a CRS other than EPSG:4326 and for missing, empty or
+    non-point geometries, naming the first such row.
+    """
+    geometry = obj.geometry if is_geodataframe(obj) else obj
+    _check_geopandas_crs(geometry)
+    kinds = np.asarray(geometry.geom_type, dtype=object)
+    empty = np.asarray(geometry.is_empty, dtype=bool)
+    bad = np.flatnonzero((kinds != "Point") | empty)
+    if bad.size:
+        i = int(bad[0])
+        kind = "an empty geometry" if empty[i] else (kinds[i] or "a missing geometry")
+        raise ValueError(
+            f"{what} must be points: {bad.size:,} of {len(kinds):,} rows are not, the first "
+            f"(row {i}) is {kind}; use .centroid or .representative_point() for other shapes"
+        )
+    return np.asarray(geometry.y, dtype=np.float64), np.asarray(geometry.x, dtype=np.float64)
+
+
+def read_geopandas(frame: Any, batch_rows: int) -> Source:
+    """A GeoDataFrame (or GeoSeries) of points: its active geometry decoded through WKB."""
+    if is_geoseries(frame):
+        frame = frame.to_frame(name=frame.name or "geometry")
+    _check_geopandas_crs(frame)
     geometry = frame.geometry.name
     table = pa.Table.from_pandas(pd.DataFrame(frame.drop(columns=[geometry])), preserve_index=None)
     wkb = pa.array(frame.geometry.to_wkb(), pa.binary())

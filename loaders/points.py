@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
 from geonear.loaders.columns import ColumnError, ColumnMapping, detect_columns
@@ -90,7 +91,11 @@ def open_points(
         metadata={IDS_METADATA: ids_from.encode()},
     )
     validator = PointValidator(
-        skip_invalid=skip_invalid, check_ids=mapping.id is not None, what=opened.description
+        skip_invalid=skip_invalid,
+        check_ids=mapping.id is not None,
+        what=opened.description,
+        id_column=mapping.id,
+        id_detected=id is None,
     )
 
     def mapped(batch: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
@@ -270,7 +275,7 @@ def upload_points(
             raise
 
     try:
-        info = client.upload(
+        info = client.upload_mapped(
             name,
             pa.RecordBatchReader.from_batches(schema, batches()),
             mode=mode,
@@ -302,3 +307,18 @@ def read_query_points(
     """
     table = open_points(source, lat, lon, id=False, **options).reader.read_all()
     return (table.column("lat").to_numpy(), table.column("lon").to_numpy())
+
+
+def read_query_frame(
+    source: Any, lat: str | None = None, lon: str | None = None, **options: Any
+) -> pd.DataFrame:
+    """A file of query points as a DataFrame: ``lat``, ``lon``, then its other columns.
+
+    Coordinates are detected and validated as for :func:`read_points` (the source's
+    coordinate columns become ``lat`` and ``lon``, float64 degrees); every other column
+    keeps its name; rows keep their order.
+    """
+    stream = open_points(source, lat, lon, id=False, **options)
+    table = stream.reader.read_all().drop_columns(["id"])
+    restored = {new: old for old, new in stream.mapping.renamed.items()}
+    return table.rename_columns([restored.get(n, n) for n in table.column_names]).to_pandas()

@@ -33,6 +33,7 @@ from geonear.loaders.geojson_files import read_geojson_files
 from geonear.loaders.point_geometry import (
     from_table,
     is_geodataframe,
+    is_geoseries,
     read_geopandas,
     with_point_columns,
 )
@@ -109,7 +110,7 @@ def _open_path(
     text: str, format: str | None, csv_options: dict[str, Any], batch_rows: int
 ) -> Source:
     if text == "-":
-        return read_csv(sys.stdin.buffer, "CSV on standard input", csv_options, batch_rows)
+        return _open_stdin(format, csv_options, batch_rows)
     path = Path(text)
     if path.is_dir():
         files = sorted(
@@ -140,6 +141,35 @@ def _open_path(
     )
 
 
+def _open_stdin(format: str | None, csv_options: dict[str, Any], batch_rows: int) -> Source:
+    """Standard input in ``format``, or in the format its first bytes show.
+
+    CSV, GeoJSON and Arrow IPC streams are read as they arrive; Parquet and Arrow IPC
+    files keep their index at the end, so they are read whole first.
+    """
+    stdin = sys.stdin.buffer
+    fmt = format or _sniff_bytes(stdin.peek(8)[:8] if hasattr(stdin, "peek") else b"")
+    if fmt == "csv":
+        return read_csv(stdin, "CSV on standard input", csv_options, batch_rows)
+    if fmt == "geojson":
+        return read_geojson_files([stdin], batch_rows, "GeoJSON on standard input")
+    if fmt == "parquet":
+        return _read_parquet(pa.BufferReader(stdin.read()), batch_rows, "Parquet on standard input")
+    head = stdin.peek(8)[:8] if hasattr(stdin, "peek") else b""
+    if head.startswith(b"ARROW1"):
+        return _read_arrow(pa.BufferReader(stdin.read()), batch_rows, "Arrow on standard input")
+    try:
+        stream = pa.ipc.open_stream(stdin)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"standard input is not an Arrow IPC stream: {exc}") from exc
+    return with_point_columns(
+        batch_reader(stream.schema, stream, batch_rows),
+        "Arrow IPC stream on standard input",
+        None,
+        batch_rows,
+    )
+
+
 def _format_of(path: Path, given: str | None) -> str | None:
     if given:
         return given
@@ -152,7 +182,10 @@ def _format_of(path: Path, given: str | None) -> str | None:
 def _sniff_format(path: Path) -> str:
     """Format from a file's first bytes, for files without a known extension."""
     with open(path, "rb") as f:
-        head = f.read(8)
+        return _sniff_bytes(f.read(8))
+
+
+def _sniff_bytes(head: bytes) -> str:
     if head.startswith(b"PAR1"):
         return "parquet"
     if head.startswith((b"ARROW1", b"\xff\xff\xff\xff")):
@@ -173,7 +206,7 @@ def _open_files(
     if len(formats) > 1:
         raise ValueError(
             f"{what} mixes formats ({', '.join(sorted(formats))}); "
-            "load one format at a time or pass format="
+            "load one format at a time or pass --format / format="
         )
     (fmt,) = formats
     if len(files) == 1:
@@ -191,7 +224,7 @@ def _open_files(
 
 
 def _open_object(obj: Any, batch_rows: int) -> Source:
-    if is_geodataframe(obj):
+    if is_geodataframe(obj) or is_geoseries(obj):
         return read_geopandas(obj, batch_rows)
     if isinstance(obj, pd.DataFrame):
         # A named index (e.g. set_index("id")) is kept as a column; a RangeIndex is not.
@@ -215,44 +248,53 @@ def _open_object(obj: Any, batch_rows: int) -> Source:
             pa.RecordBatchReader.from_stream(obj), type(obj).__name__, None, batch_rows
         )
     raise TypeError(
-        "cannot read points from a "
-        f"{type(obj).__name__}: give a path, glob, '-', bundled name, pandas or GeoPandas "
-        "DataFrame, or a pyarrow Table, RecordBatch, RecordBatchReader or Dataset"
+        f"cannot read points from a {type(obj).__name__}: give a pandas DataFrame, pyarrow "
+        "Table, RecordBatch, RecordBatchReader or Dataset, a GeoDataFrame or GeoSeries of "
+        "points, or a path, glob, '-' or bundled data set name"
     )
 
 
 # -- Parquet, Arrow, datasets -----------------------------------------------------------
-def _read_parquet(path: Path, batch_rows: int) -> Source:
+def _read_parquet(path: Path | pa.BufferReader, batch_rows: int, what: str = "") -> Source:
+    what = what or f"Parquet file {path}"
     try:
         # Without pre-buffering, each row group's buffers are freed once decoded; with it,
         # memory grows with the file.
         file = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"cannot read Parquet file {path}: {exc}") from exc
+        raise ValueError(f"cannot read {what}: {exc}") from exc
     schema = file.schema_arrow
     reader = batch_reader(schema, file.iter_batches(batch_size=batch_rows), batch_rows)
-    return with_point_columns(reader, f"Parquet file {path}", file.metadata.num_rows, batch_rows)
+    return with_point_columns(reader, what, file.metadata.num_rows, batch_rows)
 
 
-def _read_arrow(path: Path, batch_rows: int) -> Source:
-    source = pa.memory_map(str(path))
+def _read_arrow(path: Path | pa.BufferReader, batch_rows: int, what: str = "") -> Source:
+    def source() -> Any:
+        if isinstance(path, pa.BufferReader):
+            path.seek(0)
+            return path
+        return pa.memory_map(str(path))
+
     try:
-        file = pa.ipc.open_file(source)
+        file = pa.ipc.open_file(source())
     except pa.ArrowInvalid:
         try:
-            stream = pa.ipc.open_stream(pa.memory_map(str(path)))
+            stream = pa.ipc.open_stream(source())
         except pa.ArrowInvalid as exc:
             raise ValueError(f"{path} is neither an Arrow IPC file nor stream: {exc}") from exc
         return with_point_columns(
             batch_reader(stream.schema, stream, batch_rows),
-            f"Arrow IPC stream {path}",
+            what or f"Arrow IPC stream {path}",
             None,
             batch_rows,
         )
     rows = sum(file.get_batch(i).num_rows for i in range(file.num_record_batches))
     batches = (file.get_batch(i) for i in range(file.num_record_batches))
     return with_point_columns(
-        batch_reader(file.schema, batches, batch_rows), f"Arrow IPC file {path}", rows, batch_rows
+        batch_reader(file.schema, batches, batch_rows),
+        what or f"Arrow IPC file {path}",
+        rows,
+        batch_rows,
     )
 
 

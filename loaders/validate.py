@@ -14,6 +14,7 @@ log-structured merge), 8 bytes per integer id and 16 per string id, never a Pyth
 from __future__ import annotations
 
 import bisect
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from geonear.loaders.columns import ColumnError
 #: Bad rows shown in a message.
 SHOW = 5
 _NUMBER = r"^\s*[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)\s*$"
+#: A number written with a decimal comma ("40,7"), as some locales write them.
+_DECIMAL_COMMA = re.compile(r"^\s*[+-]?\d+,\d+\s*$")
 
 # Reasons a row is bad, in the order they are checked.
 MISSING, NOT_A_NUMBER, NAN, INFINITE, OUT_OF_RANGE = 1, 2, 3, 4, 5
@@ -226,14 +229,27 @@ class PointValidator:
         Check ids for nulls and duplicates (off when ids are row numbers).
     what : str
         The source, for messages.
+    id_column : str, optional
+        The source column the ids come from, for messages.
+    id_detected : bool
+        Whether that column was picked by detection rather than named by the caller;
+        repeated values then most likely mean it is not an id at all.
     """
 
     def __init__(
-        self, *, skip_invalid: bool = False, check_ids: bool = True, what: str = "the input"
+        self,
+        *,
+        skip_invalid: bool = False,
+        check_ids: bool = True,
+        what: str = "the input",
+        id_column: str | None = None,
+        id_detected: bool = False,
     ) -> None:
         self.skip_invalid = skip_invalid
         self.check_ids = check_ids
         self.what = what
+        self.id_column = id_column
+        self.id_detected = id_detected
         self.report = ValidationReport()
         self._seen = _SeenIds()
 
@@ -314,9 +330,7 @@ class PointValidator:
         if report.bad_rows and not self.skip_invalid:
             raise InvalidPoints(
                 f"{self.what}: {report.bad_rows:,} of {report.rows_read:,} rows are invalid "
-                f"{report.summary()}. Latitude must be a finite number in [-90, 90] and "
-                "longitude in [-180, 180] degrees, ids present and unique; fix these rows "
-                "or drop them with --skip-invalid (skip_invalid=True). Nothing was stored.",
+                f"{report.summary()}. {self._advice()} Nothing was stored.",
                 report,
             )
         if report.rows_kept == 0:
@@ -326,6 +340,32 @@ class PointValidator:
                 report,
             )
         return report
+
+    def _advice(self) -> str:
+        """What to do about the bad rows, for people."""
+        # Dropping rows is no fix for an id column that repeats values: it needs another id.
+        reasons = self.report.reasons
+        duplicates = reasons.get(_REASONS[DUPLICATE_ID], 0)
+        advice = []
+        if duplicates:
+            which = f"column {self.id_column!r}" if self.id_column else "the id column"
+            picked = " was taken as the id but" if self.id_detected else ""
+            advice.append(
+                f"Ids must be unique: {which}{picked} repeats values. Number the rows as "
+                "ids with --row-ids (id=False), or name a unique column with --id COLUMN "
+                "(id='COLUMN')."
+            )
+        if sum(reasons.values()) > duplicates:
+            text = (
+                "Latitude must be a finite number in [-90, 90] and longitude in "
+                "[-180, 180] degrees, ids present; fix these rows or drop them with "
+                "--skip-invalid (skip_invalid=True)."
+            )
+            shown = [v for b in self.report.examples for v in (b.lat, b.lon)]
+            if any(_DECIMAL_COMMA.match(str(v)) for v in shown):
+                text += " Numbers need a decimal point: 40.7, not 40,7."
+            advice.append(text)
+        return " ".join(advice)
 
 
 def _describe(code: int, lat_raw: Any, lon_raw: Any, i: int) -> str:

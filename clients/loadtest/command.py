@@ -22,6 +22,11 @@ from typing import Any
 import grpc
 from rich.console import Console
 
+from geonear.clients.cli_options import (
+    TARGET_VARIABLE,
+    add_connection_arguments,
+    connection_options,
+)
 from geonear.clients.loadtest.connection import Connection
 from geonear.clients.loadtest.results import (
     client_description,
@@ -98,7 +103,11 @@ def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
     _add_outputs(report)
 
     where = parser.add_argument_group("targets").add_mutually_exclusive_group()
-    where.add_argument("--target", metavar="HOST:PORT", help="the server to drive")
+    where.add_argument(
+        "--target",
+        metavar="HOST:PORT",
+        help="the server to drive (default: the GEONEAR_TARGET environment variable)",
+    )
     where.add_argument(
         "--compare",
         nargs="+",
@@ -194,19 +203,7 @@ def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
         help="open loop: cap on outstanding requests per process",
     )
 
-    security = parser.add_argument_group("TLS and tokens")
-    security.add_argument(
-        "--tls", action="store_true", help="use TLS, verifying the server with the system's CAs"
-    )
-    security.add_argument("--tls-ca", metavar="PEM", help="CA bundle of the server (implies --tls)")
-    security.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    security.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
-    security.add_argument("--tls-server-name", help="name to expect in the server certificate")
-    security.add_argument(
-        "--token",
-        default=os.environ.get("GEONEAR_TOKEN"),
-        help="bearer token (default $GEONEAR_TOKEN)",
-    )
+    add_connection_arguments(parser, target=False, title="TLS and tokens")
 
     out = parser.add_argument_group("output")
     _add_outputs(out)
@@ -252,8 +249,9 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
         if len(set(names)) != len(names):
             raise ValueError(f"--compare names must differ, got {names}")
         return list(args.compare)
-    if args.target:
-        return [(args.target, args.target)]
+    target = args.target or os.environ.get(TARGET_VARIABLE)
+    if target:
+        return [(target, target)]
     raise ValueError(
         "give --target HOST:PORT or --compare NAME=HOST:PORT ... "
         "(or `geonear loadtest report FILES`)"
@@ -262,8 +260,14 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _run(args: argparse.Namespace) -> int:
     targets = _targets(args)
+    options = connection_options(args)
     connection = Connection.from_options(
-        args.tls, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, args.token
+        options.tls,
+        options.tls_ca,
+        options.tls_cert,
+        options.tls_key,
+        options.tls_server_name,
+        options.token,
     )
     config = ScenarioConfig(
         scenario=args.scenario,
