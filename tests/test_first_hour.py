@@ -18,12 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
+import geonear
 from geonear.clients import cli
 from geonear.clients.cli import main
 from geonear.clients.client import Client
+from geonear.loaders import ColumnError, InvalidPoints
+from geonear.loaders.synthetic import uniform_points
 
 ENV = {**os.environ, "COLUMNS": "250", "NO_COLOR": "1"}
 TOKEN = "admin-token-0123456789abcdef"
@@ -291,3 +296,269 @@ def test_no_server_at_the_target_says_how_to_start_one(
     line = one_line(err)
     assert code == 1
     assert f"127.0.0.1:{port}" in line and "geonear serve" in line
+
+
+# -- uploading from Python as geonear load does --------------------------------------------
+def test_upload_detects_columns_as_geonear_load_does(client: Client) -> None:
+    frame = pd.DataFrame(
+        {"Code": ["a", "b"], "Latitude": [10.0, 20.0], "LNG": [30.0, 40.0], "size": [1, 2]}
+    )
+    info = client.upload("shops", frame)
+    assert info.column_names == ["id", "lat", "lon", "size"]
+    assert info.id_type == "string"
+    found = client.knn("shops", 20.0, 40.0, k=1, columns="size")
+    assert found["id"].tolist() == ["b"] and found["size"].tolist() == [2]
+
+
+def test_upload_without_a_latitude_column_names_the_keyword(client: Client) -> None:
+    with pytest.raises(ColumnError) as error:
+        client.upload("nowhere", pd.DataFrame({"north": [1.0], "lon": [2.0]}))
+    message = str(error.value)
+    assert "lat=" in message and "lat_column" not in message
+    assert "north" in message  # the columns found
+    info = client.upload("somewhere", pd.DataFrame({"north": [1.0], "lon": [2.0]}), lat="north")
+    assert info.rows == 1
+
+
+def test_repeated_detected_ids_point_at_row_ids_not_at_dropping_rows(
+    client: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "dupnames.csv"
+    path.write_text(
+        "name,lat,lon\nSpringfield,39.8,-89.6\nSpringfield,42.1,-72.5\nBoston,42.4,-71.1\n"
+    )
+    code, _, err = run(capsys, "load", str(path), "--target", server.target)
+    line = one_line(err)
+    assert code == 2
+    assert "--row-ids" in line and "--id COLUMN" in line and "'name'" in line
+    assert "--skip-invalid" not in line
+    code, _, err = run(capsys, "load", str(path), "--row-ids", "--quiet", "--target", server.target)
+    assert code == 0, err
+    assert client.info("dupnames").rows == 3
+    with pytest.raises(InvalidPoints, match=r"id=False"):
+        client.upload("dup2", pd.read_csv(path))
+    assert client.upload("dup2", pd.read_csv(path), id=False).rows == 3
+
+
+def test_upload_takes_a_geodataframe_and_a_geoseries(client: Client) -> None:
+    geopandas = pytest.importorskip("geopandas")
+    shops = geopandas.GeoDataFrame(
+        {"id": [7, 8], "kind": ["bakery", "florist"]},
+        geometry=geopandas.points_from_xy([2.35, -0.12], [48.85, 51.5]),
+        crs="EPSG:4326",
+    )
+    info = client.upload("geo_shops", shops)
+    assert info.rows == 2 and "kind" in info.column_names
+    found = client.knn("geo_shops", 51.5, -0.12, k=1, columns=["kind"])
+    assert found["id"].tolist() == [8] and found["kind"].tolist() == ["florist"]
+    assert client.upload("geo_points", shops.geometry).rows == 2
+    projected = shops.to_crs(3857)
+    with pytest.raises(ValueError, match=r"to_crs\(4326\)"):
+        client.upload("projected", projected)
+
+
+# -- queries from frames, their index and columns kept -----------------------------------
+def test_knn_of_a_dataframe_keeps_its_index_and_asked_for_columns(stores: Client) -> None:
+    customers = pd.DataFrame(
+        {"latitude": [51.51, 48.86], "longitude": [-0.11, 2.34], "customer": ["ann", "bo"]},
+        index=pd.Index([100, 200], name="customer_no"),
+    )
+    found = stores.knn("stores", customers, k=2, columns="city", query_columns="customer")
+    assert found.index.tolist() == [100, 100, 200, 200]
+    assert found.index.name == "customer_no"
+    assert found["customer"].tolist() == ["ann", "ann", "bo", "bo"]
+    assert found["city"].tolist() == ["London", "London", "Paris", "London"]
+    assert found["id"].tolist()[:1] == [2]
+    everything = stores.knn("stores", customers, k=1, query_columns=True)
+    assert {"latitude", "longitude", "customer"} <= set(everything.columns)
+    series = stores.knn("stores", customers["latitude"], customers["longitude"], k=1)
+    assert series.index.tolist() == [100, 200]
+    with pytest.raises(TypeError, match="keyword"):
+        stores.knn("stores", customers, 2)
+
+
+def test_query_columns_whose_names_are_taken_are_prefixed(stores: Client) -> None:
+    queries = pd.DataFrame({"lat": [51.51], "lon": [-0.11], "id": ["q1"], "city": ["here"]})
+    found = stores.knn("stores", queries, k=1, columns=["city"], query_columns=True)
+    assert list(found.columns) == [
+        "query_index",
+        "rank",
+        "id",
+        "distance_m",
+        "city",
+        "query_lat",
+        "query_lon",
+        "query_id",
+        "query_city",
+    ]
+    assert found["query_id"].tolist() == ["q1"] and found["id"].tolist() == [2]
+
+
+def test_a_string_of_columns_is_one_column_name(stores: Client) -> None:
+    found = stores.knn("stores", 51.51, -0.11, k=1, columns="city")
+    assert found["city"].tolist() == ["London"]
+    found = stores.radius("stores", 51.51, -0.11, radius_m=5_000, columns="city")
+    assert set(found["city"]) == {"London"}
+
+
+def test_geoseries_queries_and_geodataframe_results(stores: Client) -> None:
+    geopandas = pytest.importorskip("geopandas")
+    points = geopandas.GeoSeries(
+        geopandas.points_from_xy([-0.11, 2.34], [51.51, 48.86]), index=["a", "b"], crs=4326
+    )
+    found = stores.knn("stores", points, k=1, as_geo=True)
+    assert isinstance(found, geopandas.GeoDataFrame)
+    assert found.crs.to_epsg() == 4326
+    assert found.index.tolist() == ["a", "b"] and found["id"].tolist() == [2, 3]
+    assert found.geometry.geom_equals(points).all()  # each row's query point
+    near = stores.radius("stores", points.to_frame("where"), radius_m=5_000, as_geo=True)
+    assert set(near.index) == {"a", "b"}
+    matrix = stores.distance_matrix(points, name="stores")
+    assert matrix.shape == (2, 3)
+    triangle = geopandas.GeoSeries.from_wkt(["POLYGON ((0 0, 1 0, 1 1, 0 0))"], crs=4326)
+    with pytest.raises(ValueError, match="must be points"):
+        stores.knn("stores", triangle, k=1)
+
+
+def test_as_geo_without_geopandas_says_which_extra_to_install(
+    stores: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from geonear.clients import query_points
+
+    monkeypatch.setitem(sys.modules, "geopandas", None)  # as if it were not installed
+    query_points.geopandas_module.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"pip install 'geonear\[geo\]'"):
+            stores.knn("stores", 51.51, -0.11, k=1, as_geo=True)
+    finally:
+        query_points.geopandas_module.cache_clear()
+
+
+def test_cli_queries_file_columns_come_along(
+    stores: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    customers = tmp_path / "customers.parquet"
+    pd.DataFrame(
+        {"id": [10, 20], "y": [51.51, 48.86], "x": [-0.11, 2.34], "segment": ["a", "b"]}
+    ).to_parquet(customers)
+    out = tmp_path / "nearest.parquet"
+    code, _, err = run(
+        capsys,
+        "knn",
+        "stores",
+        "--queries",
+        str(customers),
+        "-k",
+        "2",
+        "--out",
+        str(out),
+        "--target",
+        server.target,
+    )
+    assert code == 0, err
+    table = pq.read_table(out).to_pandas()
+    assert table["segment"].tolist() == ["a", "a", "b", "b"]
+    assert table["query_id"].tolist() == [10, 10, 20, 20]
+    assert table["query_lat"].tolist() == [51.51, 51.51, 48.86, 48.86]
+    assert table["id"].tolist()[0] == 2
+
+
+def test_radius_keeps_the_first_n_points_of_each_query_in_either_order(stores: Client) -> None:
+    everything = stores.radius("stores", [51.51, 48.86], [-0.11, 2.34], radius_m=500_000)
+    assert everything.groupby("query_index").size().tolist() == [3, 3]
+    nearest = stores.radius(
+        "stores", [51.51, 48.86], [-0.11, 2.34], radius_m=500_000, max_per_query=1
+    )
+    assert nearest["id"].tolist() == [2, 3]
+    farthest = stores.radius(
+        "stores", [51.51, 48.86], [-0.11, 2.34], radius_m=500_000, max_per_query=2, sort="desc"
+    )
+    assert farthest["query_index"].tolist() == [0, 0, 1, 1]
+    assert farthest["id"].tolist()[0] == 3
+    distances = farthest["distance_m"].to_numpy()
+    assert distances[0] > distances[1] and distances[2] > distances[3]
+
+
+# -- printing results ----------------------------------------------------------------------
+@pytest.fixture
+def many(client: Client) -> Client:
+    lat, lon = uniform_points(500, seed=3)
+    kind = np.where(np.arange(500) % 2 == 0, "shop", None)
+    client.upload("many", pd.DataFrame({"lat": lat, "lon": lon, "kind": kind}))
+    return client
+
+
+def test_long_results_print_their_first_rows_and_say_how_to_get_the_rest(
+    many: Client, server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = ["--target", server.target]
+    code, out, err = run(capsys, "knn", "many", "--lat", "0", "--lon", "0", "-k", "50", *target)
+    assert code == 0, err
+    assert "30 more rows: use --out FILE" in out
+    assert out.count("\n│") == 20  # table rows
+    code, out, _ = run(
+        capsys, "knn", "many", "--lat", "0", "--lon", "0", "-k", "50", "--all", *target
+    )
+    assert "more rows" not in out and out.count("\n│") == 50
+    code, out, _ = run(
+        capsys, "knn", "many", "--lat", "0", "--lon", "0", "-k", "50", "--limit", "5", *target
+    )
+    assert "45 more rows" in out
+
+
+def test_a_matrix_too_wide_to_print_is_refused_with_the_same_hint(
+    many: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = ["--target", server.target]
+    code, out, err = run(capsys, "matrix", "many", "--lat", "0", "--lon", "0", *target)
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert "1 x 500" in line and "--out FILE" in line
+    npy = tmp_path / "m.npy"
+    code, _, err = run(
+        capsys, "matrix", "many", "--lat", "0", "--lon", "0", "--out", str(npy), *target
+    )
+    assert code == 0, err
+    assert np.load(npy).shape == (1, 500)
+
+
+def test_missing_values_print_as_na_not_nan(
+    many: Client, server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(
+        capsys,
+        "knn",
+        "many",
+        "--lat",
+        "0",
+        "--lon",
+        "0",
+        "-k",
+        "10",
+        "--columns",
+        "kind",
+        "--target",
+        server.target,
+    )
+    assert code == 0, err
+    assert "<NA>" in out and "shop" in out
+    assert "nan" not in out and "None" not in out
+
+
+# -- what the client returns ---------------------------------------------------------------
+def test_results_are_readable_dataclasses_and_the_client_says_what_it_is(
+    stores: Client, server
+) -> None:
+    info = stores.info("stores")
+    assert repr(info).startswith("DatasetInfo(name='stores', version=1, rows=3,")
+    assert info.column_names == ["id", "lat", "lon", "city"]
+    assert info.bounding_box.max_lat == 51.52
+    assert stores.datasets() == [info]
+    limits = stores.server_info().limits
+    assert repr(limits).startswith("ServerLimits(max_k=")
+    deleted = stores.delete("stores", [3, 99])
+    assert (deleted.rows_deleted, deleted.ids_not_found, deleted.dataset.rows) == (1, 1, 2)
+    assert repr(stores) == f"Client({server.target!r}, remote server, open)"
+    with geonear.connect() as local:
+        assert "in-process server, open" in repr(local)
+    assert "closed" in repr(local)
