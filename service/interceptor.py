@@ -51,11 +51,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
 from geonear.service.engines.base import DeviceLost
-from geonear.service.errors import Cancelled, LimitExceeded, ServiceError
+from geonear.service.errors import (
+    Cancelled,
+    InvalidInput,
+    LimitExceeded,
+    ServiceError,
+)
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
@@ -80,13 +86,15 @@ def _rows(message: Any) -> int:
     return count(message) if count is not None else 0
 
 
-class _Oversized:
-    """Stands in for a request message above the limit, so the call can say which limit."""
+class _Unreadable:
+    """Stands in for a request message the server will not read: one above the size limit,
+    or bytes that are not the method's protobuf message. The call is answered with
+    ``error`` (RESOURCE_EXHAUSTED naming the limit, or INVALID_ARGUMENT)."""
 
-    __slots__ = ("size",)
+    __slots__ = ("error",)
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, error: ServiceError) -> None:
+        self.error = error
 
 
 class _Call:
@@ -293,8 +301,15 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         def deserialize(data: bytes) -> Any:
             if len(data) > limit:
-                return _Oversized(len(data))
-            return parse(data) if parse is not None else data
+                return _Unreadable(LimitExceeded(self._too_large(len(data))))
+            if parse is None:
+                return data
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return _Unreadable(
+                    InvalidInput(f"the {rpc} request is not a valid protobuf message ({exc})")
+                )
 
         streaming_request = inner.request_streaming
         behaviour: Callable[..., Any]
@@ -330,9 +345,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             refusal = grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal()
         elif (crowded := self.admission.admit(call.upload)) is not None:
             refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, crowded
-        elif not streaming and type(request) is _Oversized:
+        elif not streaming and type(request) is _Unreadable:
             self.admission.leave(call.upload)
-            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(request)
+            refusal = grpc.StatusCode[request.error.status], str(request.error)
         return refusal
 
     async def _admit(
@@ -360,15 +375,15 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
     def _checked_stream(self, requests: Iterator[Any], call: _Call) -> Iterator[Any]:
         for message in requests:
-            if type(message) is _Oversized:
-                raise LimitExceeded(self._too_large(message))
+            if type(message) is _Unreadable:
+                raise message.error
             if not call.dataset and type(message) is pb.UploadRequest:
                 call.dataset = message.header.dataset
             yield message
 
-    def _too_large(self, message: _Oversized) -> str:
+    def _too_large(self, size: int) -> str:
         return (
-            f"a {message.size}-byte request message exceeds max_message_bytes="
+            f"a {size}-byte request message exceeds max_message_bytes="
             f"{self.max_message_bytes} (setting GEONEAR_MAX_MESSAGE_BYTES); send smaller "
             "batches or fewer points per request"
         )
