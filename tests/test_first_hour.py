@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -562,3 +563,28 @@ def test_results_are_readable_dataclasses_and_the_client_says_what_it_is(
     with geonear.connect() as local:
         assert "in-process server, open" in repr(local)
     assert "closed" in repr(local)
+
+
+# -- load tests that fail say so -------------------------------------------------------------
+def test_a_load_test_whose_requests_fail_exits_non_zero_and_shows_the_errors(
+    stores: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    def loadtest(k: int, *more: str) -> tuple[int, str, str]:
+        target = ["--target", server.target, "--dataset", "stores", "--concurrency", "2"]
+        window = ["--duration", "0.3", "--warmup", "0"]
+        return run(capsys, "loadtest", *target, "-k", str(k), *window, *more)
+
+    html, json_path = tmp_path / "report.html", tmp_path / "run.json"
+    code, out, err = loadtest(20_000, "--html", str(html), "--json", str(json_path))  # > max_k
+    assert code == 1
+    assert "requests failed" in out and "RESOURCE_EXHAUSTED: k=20000 exceeds max_k" in out
+    assert "--max-error-rate" in err and "max_k" in err
+    page = html.read_text()
+    assert "<h2>Errors</h2>" in page and "k=20000 exceeds max_k" in page
+    (saved,) = json.loads(json_path.read_text())["runs"]
+    (first,) = saved["error_messages"]
+    assert first["code"] == "RESOURCE_EXHAUSTED" and first["count"] == saved["requests"]
+    code, _, _ = loadtest(20_000, "--max-error-rate", "1")
+    assert code == 0
+    code, _, err = loadtest(1)
+    assert code == 0, err

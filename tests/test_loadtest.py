@@ -206,13 +206,17 @@ def test_unknown_dataset_counts_not_found_errors(
         "--json",
         str(out),
     )
-    assert rc == 0
-    assert "does not exist" in capsys.readouterr().err
+    assert rc == 1  # every request failed
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "no-such-set" in err
     (run,) = _runs(out)
     _assert_consistent(run)
     assert run["successes"] == 0
     assert run["requests"] > 0
     assert run["errors"] == {"NOT_FOUND": run["requests"]}
+    (first,) = run["error_messages"]
+    assert first["code"] == "NOT_FOUND" and first["count"] == run["requests"]
+    assert "no-such-set" in first["message"]
     assert sum(run["timeline"]["errors"]) == run["requests"]
 
 

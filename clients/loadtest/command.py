@@ -70,6 +70,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value:g}")
+    return value
+
+
 def _add_outputs(p: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the raw results (mergeable) here")
     p.add_argument(
@@ -196,6 +203,14 @@ def add_loadtest_arguments(parser: argparse.ArgumentParser) -> None:
         help="gRPC channels (TCP connections) per process (default 1)",
     )
     how.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each request")
+    how.add_argument(
+        "--max-error-rate",
+        type=_fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="exit with status 1 when more than this fraction of a target's requests "
+        "fail (default 0: any failure)",
+    )
     how.add_argument(
         "--max-in-flight",
         type=_positive_int,
@@ -345,4 +360,23 @@ def _run(args: argparse.Namespace) -> int:
 
         print_summary(runs, console)
     _write_outputs(args, runs)
-    return 0
+    return _error_status(runs, args.max_error_rate, errors)
+
+
+def _error_status(runs: list[dict[str, Any]], max_rate: float, console: Console) -> int:
+    """1, with the reason on stderr, when a target failed more requests than allowed."""
+    status = 0
+    for run in runs:
+        failed = sum(run["errors"].values())
+        if failed and failed > max_rate * run["requests"]:
+            first = run.get("error_messages") or [{"code": "?", "message": ""}]
+            console.print(
+                f"geonear loadtest: {run['name']}: {failed:,} of {run['requests']:,} requests "
+                f"failed ({failed / run['requests']:.1%}), more than --max-error-rate "
+                f"{max_rate:g}; first: {first[0]['code']}: {first[0]['message']}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            status = 1
+    return status

@@ -62,6 +62,21 @@ def _summary_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+#: Distinct errors shown per target in the terminal (the JSON and HTML keep more).
+SHOWN_ERRORS = 5
+
+
+def error_lines(run: dict[str, Any], shown: int = SHOWN_ERRORS) -> list[str]:
+    """``cpu: 1,234 requests failed; first distinct errors:`` and one line per error."""
+    failed = sum(run["errors"].values())
+    if not failed:
+        return []
+    lines = [f"{run['name']}: {failed:,} of {run['requests']:,} requests failed:"]
+    for e in run.get("error_messages", [])[:shown]:
+        lines.append(f"  {e['count']:,} x {e['code']}: {e['message']}")
+    return lines
+
+
 _HEADERS = [
     "target",
     "address",
@@ -95,6 +110,9 @@ def print_summary(runs: Sequence[dict[str, Any]], console: Console | None = None
     for row in _summary_rows(runs):
         table.add_row(*[row[i] for i in keep])
     console.print(table)
+    for run in runs:
+        for line in error_lines(run):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     for run in runs:
         if run.get("late_sends"):
             console.print(
@@ -309,6 +327,21 @@ def render_html(
         "Latency: closed loop from the send; open loop from the scheduled send time "
         "(corrected for coordinated omission). rows: result rows (matrix: distances).</p>",
     ]
+    failing = [run for run in runs if run.get("error_messages")]
+    if failing:
+        parts += [
+            "<h2>Errors</h2>",
+            _table(
+                ["target", "status", "count", "message"],
+                [
+                    [run["name"], e["code"], f"{e['count']:,}", e["message"]]
+                    for run in failing
+                    for e in run["error_messages"]
+                ],
+                [False, False, True, False],
+            ),
+            "<p class=note>The distinct errors of each target, most frequent first.</p>",
+        ]
     late = [run for run in runs if run.get("late_sends")]
     for run in late:
         parts.append(

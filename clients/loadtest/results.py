@@ -12,6 +12,7 @@ JSON layout (``format`` is :data:`FORMAT`)::
      "runs": [{"name": "cpu", "target": "host:port", "scenario": "knn", "mode": "closed",
                "config": {...}, "server": {...}, "duration_s": 15.0,
                "requests": N, "successes": N, "errors": {"NOT_FOUND": n}, "rows": N,
+               "error_messages": [{"code": "NOT_FOUND", "message": "...", "count": n}],
                "throughput_rps": ..., "latency_ms": {"p50": ..., "p90": ..., "p99": ...,
                "p999": ..., "max": ..., "mean": ...},
                "timeline": {"interval_s": 1.0, "successes": [...], "errors": [...]},
@@ -40,6 +41,33 @@ HIGHEST_US = 600_000_000
 SIGNIFICANT_DIGITS = 3
 #: Percentiles of the summary, as (JSON key, percentile).
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9))
+#: Distinct error messages kept per worker and per run; the rest count as "other".
+ERROR_MESSAGES = 20
+OTHER_MESSAGES = "(other messages)"
+
+
+def count_error_message(counts: Counter[str], code: str, message: str) -> None:
+    """Count one failure as ``CODE: message``, keeping at most ERROR_MESSAGES distinct."""
+    key = f"{code}: {message}" if message else code
+    if key not in counts and len(counts) >= ERROR_MESSAGES:
+        key = f"{code}: {OTHER_MESSAGES}"
+    counts[key] += 1
+
+
+def error_message_list(counts: Counter[str]) -> list[dict[str, Any]]:
+    """The distinct errors, most frequent first, as stored in the JSON file."""
+    out = []
+    for key, n in counts.most_common(ERROR_MESSAGES):
+        code, _, message = key.partition(": ")
+        out.append({"code": code, "message": message, "count": n})
+    return out
+
+
+def _error_counter(run: dict[str, Any]) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for e in run.get("error_messages", ()):
+        counts[f"{e['code']}: {e['message']}" if e["message"] else e["code"]] += e["count"]
+    return counts
 
 
 def new_histogram() -> HdrHistogram:
@@ -89,6 +117,8 @@ class WorkerTotals:
     successes: int = 0
     rows: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    #: Failures by ``CODE: message`` (see count_error_message).
+    error_messages: Counter[str] = field(default_factory=Counter)
     #: Completions per second of the window, successes and errors apart.
     timeline_successes: list[int] = field(default_factory=list)
     timeline_errors: list[int] = field(default_factory=list)
@@ -101,6 +131,7 @@ class WorkerTotals:
             "successes": self.successes,
             "rows": self.rows,
             "errors": dict(self.errors),
+            "error_messages": dict(self.error_messages),
             "timeline_successes": self.timeline_successes,
             "timeline_errors": self.timeline_errors,
             "late_sends": self.late_sends,
@@ -113,6 +144,7 @@ class WorkerTotals:
             successes=d["successes"],
             rows=d["rows"],
             errors=Counter(d["errors"]),
+            error_messages=Counter(d.get("error_messages", {})),
             timeline_successes=list(d["timeline_successes"]),
             timeline_errors=list(d["timeline_errors"]),
             late_sends=d["late_sends"],
@@ -133,10 +165,12 @@ def summarise_run(
     """One target's run, as stored in the JSON file, from its workers' totals."""
     histogram = decode_histograms(w.histogram for w in workers)
     errors: Counter[str] = Counter()
+    messages: Counter[str] = Counter()
     timeline_ok: list[int] = []
     timeline_err: list[int] = []
     for w in workers:
         errors.update(w.errors)
+        messages.update(w.error_messages)
         timeline_ok = add_series(timeline_ok, w.timeline_successes)
         timeline_err = add_series(timeline_err, w.timeline_errors)
     run = {
@@ -149,6 +183,7 @@ def summarise_run(
         "duration_s": duration_s,
         "successes": sum(w.successes for w in workers),
         "errors": dict(sorted(errors.items())),
+        "error_messages": error_message_list(messages),
         "rows": sum(w.rows for w in workers),
         "late_sends": sum(w.late_sends for w in workers),
         "timeline": {"interval_s": 1.0, "successes": timeline_ok, "errors": timeline_err},
@@ -175,10 +210,12 @@ def merge_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("nothing to merge")
     first = runs[0]
     errors: Counter[str] = Counter()
+    messages: Counter[str] = Counter()
     timeline_ok: list[int] = []
     timeline_err: list[int] = []
     for run in runs:
         errors.update(run["errors"])
+        messages.update(_error_counter(run))
         timeline_ok = add_series(timeline_ok, run["timeline"]["successes"])
         timeline_err = add_series(timeline_err, run["timeline"]["errors"])
     histogram = decode_histograms(r["histogram"] for r in runs)
@@ -187,6 +224,7 @@ def merge_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "duration_s": max(r["duration_s"] for r in runs),
         "successes": sum(r["successes"] for r in runs),
         "errors": dict(sorted(errors.items())),
+        "error_messages": error_message_list(messages),
         "rows": sum(r["rows"] for r in runs),
         "late_sends": sum(r.get("late_sends", 0) for r in runs),
         "timeline": {

@@ -36,6 +36,7 @@ import grpc
 from geonear.clients.loadtest.connection import Connection
 from geonear.clients.loadtest.results import (
     WorkerTotals,
+    count_error_message,
     encode_histogram,
     new_histogram,
     record_latency,
@@ -174,11 +175,12 @@ class _Recorder:
         record_latency(self.histogram, now - started)
         self._bucket(self.totals.timeline_successes, now)
 
-    def error(self, started: float, now: float, code: str) -> None:
+    def error(self, started: float, now: float, code: str, message: str = "") -> None:
         self.failed += 1
         if not self.window_start <= started < self.window_end:
             return
         self.totals.errors[code] += 1
+        count_error_message(self.totals.error_messages, code, message)
         self._bucket(self.totals.timeline_errors, now)
 
     def final(self) -> WorkerTotals:
@@ -235,7 +237,7 @@ async def _send(
     try:
         rows = await caller[name](payload)
     except grpc.aio.AioRpcError as exc:
-        recorder.error(started, time.perf_counter(), exc.code().name)
+        recorder.error(started, time.perf_counter(), exc.code().name, exc.details() or "")
     except NotServing as exc:
         recorder.error(started, time.perf_counter(), str(exc))
     else:
