@@ -45,7 +45,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default in its help, except where there is none to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, "") or action.help is None:
+        nothing = action.default is None or action.default is False or action.default == ""
+        if nothing or action.help is None:
             return action.help
         return super()._get_help_string(action)
 

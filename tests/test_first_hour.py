@@ -588,3 +588,113 @@ def test_a_load_test_whose_requests_fail_exits_non_zero_and_shows_the_errors(
     assert code == 0
     code, _, err = loadtest(1)
     assert code == 0, err
+
+
+# -- the rest of the first hour -------------------------------------------------------------
+def test_standard_input_is_read_in_the_format_given_or_shown(
+    client: Client, server, tmp_path: Path
+) -> None:
+    feature = {
+        "type": "Feature",
+        "geometry": {"type": "Point", "coordinates": [2.35, 48.85]},
+        "properties": {"name": "Paris"},
+    }
+    text = json.dumps({"type": "FeatureCollection", "features": [feature]})
+    result = geonear_process(
+        "load",
+        "-",
+        "--format",
+        "geojson",
+        "--name",
+        "piped_geojson",
+        "--target",
+        server.target,
+        input=text,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert client.info("piped_geojson").rows == 1
+    parquet = tmp_path / "pts.parquet"
+    pd.DataFrame({"lat": [1.0, 2.0], "lon": [3.0, 4.0]}).to_parquet(parquet)
+    with parquet.open("rb") as stdin:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "geonear",
+                "load",
+                "-",
+                "--name",
+                "piped_parquet",
+                "--target",
+                server.target,
+            ],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
+            cwd=tmp_path,
+        )
+    assert result.returncode == 0, result.stderr
+    assert client.info("piped_parquet").rows == 2
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "words"),
+    [
+        ("knn", "-k K", "neighbours per query (default: 10)"),
+        ("knn", "--max-distance-m METRES", "farther than this"),
+        ("radius", "--radius-m METRES", "search radius, metres"),
+        ("radius", "--max-per-query N", "GEOSEARCH COUNT"),
+        ("kmeans", "--seed SEED", "seed of the k-means++ initialisation (default: 0)"),
+        ("kmeans", "--n-init N_INIT", "lowest inertia wins (default: 1)"),
+        ("kmeans", "--max-iter MAX_ITER", "iterations of each run (default: 100)"),
+        ("kmeans", "--tol TOL", "radians (default: 1e-06)"),
+    ],
+)
+def test_options_say_what_they_do_and_their_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch, command: str, option: str, words: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    lines = out.splitlines()
+    (at,) = [i for i, x in enumerate(lines) if x.strip().startswith(option)]
+    entry = lines[at] + " " + (lines[at + 1].strip() if lines[at + 1].startswith("    ") else "")
+    assert words in " ".join(entry.split())
+
+
+def test_matrix_offers_no_columns_option(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "matrix", "--help")
+    assert code == 0 and "--columns" not in out and "--out FILE" in out
+
+
+def test_kmeans_out_writes_each_points_cluster(
+    many: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "labels.csv"
+    code, printed, err = run(
+        capsys, "kmeans", "many", "-k", "4", "--out", str(out), "--target", server.target
+    )
+    assert code == 0, err
+    assert "4 clusters of many" in printed and "wrote 500 labels" in printed
+    labels = pd.read_csv(out)
+    assert list(labels.columns) == ["id", "cluster"] and len(labels) == 500
+    assert set(labels["cluster"]) == {0, 1, 2, 3}
+
+
+def test_a_decimal_comma_gets_a_hint(
+    client: Client, server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = ["--target", server.target]
+    code, _, err = run(capsys, "knn", "x", "--lat", "40,7", "--lon", "-74", *target)
+    assert code == 2
+    assert "use a decimal point (40.7); separate several points with commas" in one_line(err)
+    code, _, err = run(capsys, "knn", "x", "--lat", "40;7", "--lon", "-74", *target)
+    assert code == 2 and "use a decimal point (40.7)" in err
+    path = tmp_path / "european.csv"
+    path.write_text("name;lat;lon\nA;40,7;-74,0\nB;41,1;-73,2\n")
+    code, _, err = run(capsys, "load", str(path), *target)
+    line = one_line(err)
+    assert code == 2 and "not a number" in line and "40.7, not 40,7" in line
