@@ -5,10 +5,17 @@ encapsulated record batches, each with its row count. The stream carries no dict
 batches, so a dictionary-encoded column (a pandas categorical, say) travels as its values.
 Small query point sets travel inline as repeated doubles, which costs less than Arrow's
 fixed overhead.
+
+Record batches travel uncompressed. A compressed body declares its own decompressed
+size, and Arrow allocates that size before it can tell the declaration is false (68 KB
+of zstd frames inflate to 2 GiB), so a batch whose metadata names a codec is refused
+before its body is touched; gRPC's own compression serves the transport instead. For
+the same reason a batch may not declare more rows than its body can hold.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -22,32 +29,174 @@ BATCH_BYTES = 1 << 20
 INLINE_POINTS = 4096
 
 
+#: Writes what the wire carries: record batches with uncompressed bodies.
+WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
+
+
 class WireError(ValueError):
     """Bytes on the wire that are not valid Arrow IPC of the expected shape."""
+
+
+# -- checks of a record batch's metadata, before its body is read -----------------------
+#: Codecs of Arrow's BodyCompression (format/Message.fbs: CompressionType).
+_CODECS = {0: "lz4_frame", 1: "zstd"}
+#: Every column geonear reads or writes takes at least a byte a row (lat, lon, ids,
+#: query_index are numbers), so a batch claiming more rows than that is forged.
+_MIN_ROW_BITS = 8
+
+
+class _Flatbuffer:
+    """Bounds-checked reads of the few flatbuffer fields the checks need.
+
+    A table starts with the signed offset back to its vtable; the vtable lists each
+    field's offset from the table (0: absent). Offsets to tables and vectors are
+    unsigned, from where they are stored.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def _read(self, fmt: str, at: int) -> int:
+        if at < 0:
+            raise WireError("invalid Arrow message metadata: an offset points outside it")
+        try:
+            value: int = struct.unpack_from(fmt, self.data, at)[0]
+        except struct.error:
+            raise WireError("invalid Arrow message metadata: an offset points outside it") from None
+        return value
+
+    def root(self) -> int:
+        return self._read("<I", 0)
+
+    def _field(self, table: int, index: int) -> int | None:
+        vtable = table - self._read("<i", table)
+        slot = 4 + 2 * index
+        if slot + 2 > self._read("<H", vtable):
+            return None
+        offset = self._read("<H", vtable + slot)
+        return table + offset if offset else None
+
+    def scalar(self, table: int, index: int, fmt: str, default: int = 0) -> int:
+        at = self._field(table, index)
+        return default if at is None else self._read(fmt, at)
+
+    def table(self, table: int, index: int) -> int | None:
+        at = self._field(table, index)
+        return None if at is None else at + self._read("<I", at)
+
+
+def _row_bits(t: pa.DataType) -> int:
+    """Fewest body bits one row of type ``t`` takes in a valid batch (its data or offsets;
+    0 for types whose rows may take none, as null and run-end-encoded columns)."""
+    if isinstance(t, pa.BaseExtensionType):
+        return _row_bits(t.storage_type)
+    if pa.types.is_struct(t):
+        return sum(_row_bits(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_fixed_size_list(t):
+        return int(t.list_size) * _row_bits(t.value_type)
+    if pa.types.is_large_list(t) or pa.types.is_large_binary(t) or pa.types.is_large_string(t):
+        return 64
+    if pa.types.is_list(t) or pa.types.is_map(t) or pa.types.is_binary(t) or pa.types.is_string(t):
+        return 32
+    if pa.types.is_binary_view(t) or pa.types.is_string_view(t):
+        return 128
+    if pa.types.is_union(t):
+        return 8
+    if pa.types.is_null(t) or pa.types.is_run_end_encoded(t) or pa.types.is_dictionary(t):
+        return 0
+    try:
+        return int(t.bit_width)
+    except ValueError:
+        return 0  # a type with no fixed width not named above: no bound from it
+
+
+def _check_batch_message(message: pa.ipc.Message, schema: pa.Schema) -> None:
+    """Refuse a record batch with a compressed body, or one declaring more rows than its
+    body holds, from its metadata alone: nothing is decompressed or allocated."""
+    if message.type != "record batch":
+        raise WireError(
+            f"invalid Arrow record batch: got a {message.type} message; the stream carries "
+            "record batches only (no dictionary batches)"
+        )
+    meta = _Flatbuffer(message.metadata.to_pybytes())
+    batch = meta.table(meta.root(), 2)  # Message.header, a RecordBatch
+    if batch is None:
+        raise WireError("invalid Arrow record batch: its metadata has no header")
+    compression = meta.table(batch, 3)  # RecordBatch.compression
+    if compression is not None:
+        codec = meta.scalar(compression, 0, "<b")
+        raise WireError(
+            f"invalid Arrow record batch: its body is compressed "
+            f"({_CODECS.get(codec, f'codec {codec}')}); send uncompressed record batches "
+            "(gRPC compression is available for the transport)"
+        )
+    rows = meta.scalar(batch, 0, "<q")  # RecordBatch.length
+    body_bytes = message.body.size if message.body is not None else 0
+    row_bits = max(_MIN_ROW_BITS, sum(_row_bits(f.type) for f in schema))
+    if rows < 0 or rows * row_bits > 8 * body_bytes:
+        raise WireError(
+            f"invalid Arrow record batch: it declares {rows} rows, but its {body_bytes}-byte "
+            f"body holds at most {8 * body_bytes // row_bits} rows of this schema"
+        )
+
+
+def read_batch_message(data: bytes | pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
+    """The record batch of one encapsulated IPC message, checked before it is read, then
+    fully validated; raises WireError."""
+    try:
+        message = pa.ipc.read_message(pa.py_buffer(data) if isinstance(data, bytes) else data)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise WireError(f"invalid Arrow record batch: {exc}") from exc
+    return _read_checked_batch(message, schema)
+
+
+def _read_checked_batch(message: pa.ipc.Message, schema: pa.Schema) -> pa.RecordBatch:
+    _check_batch_message(message, schema)
+    try:
+        batch = pa.ipc.read_record_batch(message, schema)
+        batch.validate(full=True)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise WireError(f"invalid Arrow record batch: {exc}") from exc
+    return batch
 
 
 def table_to_messages(table: pa.Table, batch_bytes: int = BATCH_BYTES) -> Iterator[pb.ArrowData]:
     """Arrow table as ArrowData messages: schema in the first, then batches of bounded size.
 
     An empty table still yields one message carrying the schema. Dictionary columns are
-    sent decoded, as their value type.
+    sent decoded, as their value type. Batches are uncompressed (``RecordBatch.serialize``
+    writes no codec).
     """
-    table = _decode_dictionaries(table)
-    schema_bytes = table.schema.serialize().to_pybytes()
-    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
-    rows_per_batch = max(1, batch_bytes // row_bytes)
-    first = True
-    for batch in table.to_batches(max_chunksize=rows_per_batch):
-        if batch.num_rows == 0:
-            continue
-        yield pb.ArrowData(
-            schema=schema_bytes if first else b"",
-            record_batch=batch.serialize().to_pybytes(),
-            row_count=batch.num_rows,
-        )
-        first = False
-    if first:
-        yield pb.ArrowData(schema=schema_bytes)
+    return tables_to_messages([table], batch_bytes)
+
+
+def tables_to_messages(
+    tables: Iterable[pa.Table], batch_bytes: int = BATCH_BYTES
+) -> Iterator[pb.ArrowData]:
+    """Tables of one schema as one stream of ArrowData messages, as ``table_to_messages``
+    sends one table: each table is encoded only when the previous one has been sent."""
+    schema: pa.Schema | None = None
+    sent_schema = False
+    for table in tables:
+        table = _decode_dictionaries(table)
+        if schema is None:
+            schema = table.schema
+        elif not table.schema.equals(schema, check_metadata=True):
+            raise ValueError(f"tables of one stream differ in schema: {table.schema} != {schema}")
+        row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+        for batch in table.to_batches(max_chunksize=max(1, batch_bytes // row_bytes)):
+            if batch.num_rows == 0:
+                continue
+            yield pb.ArrowData(
+                schema=b"" if sent_schema else schema.serialize().to_pybytes(),
+                record_batch=batch.serialize().to_pybytes(),
+                row_count=batch.num_rows,
+            )
+            sent_schema = True
+    if schema is None:
+        raise ValueError("a stream needs at least one table, for its schema")
+    if not sent_schema:
+        yield pb.ArrowData(schema=schema.serialize().to_pybytes())
 
 
 def _decode_dictionaries(table: pa.Table) -> pa.Table:
@@ -84,11 +233,7 @@ class BatchDecoder:
             return None
         if self.schema is None:
             raise WireError("the first message of an Arrow stream must carry the schema")
-        try:
-            batch = pa.ipc.read_record_batch(pa.py_buffer(data.record_batch), self.schema)
-            batch.validate(full=True)
-        except (pa.ArrowException, ValueError, OSError) as exc:
-            raise WireError(f"invalid Arrow record batch: {exc}") from exc
+        batch = read_batch_message(data.record_batch, self.schema)
         if data.row_count and batch.num_rows != data.row_count:
             raise WireError(
                 f"record batch holds {batch.num_rows} rows but row_count says {data.row_count}"
@@ -129,22 +274,31 @@ def compact_to_table(found: pb.CompactNeighbours) -> pa.Table:
 
 
 def ipc_stream_bytes(table: pa.Table) -> bytes:
-    """A complete Arrow IPC stream (schema and batches) as bytes."""
+    """A complete Arrow IPC stream (schema and uncompressed batches) as bytes."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    with pa.ipc.new_stream(sink, table.schema, options=WRITE_OPTIONS) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 
 
 def read_ipc_stream(data: bytes) -> pa.Table:
+    """The table of an Arrow IPC stream: its schema, then record batches, each checked
+    before it is read (``read_batch_message``); raises WireError."""
     try:
-        with pa.ipc.open_stream(pa.py_buffer(data)) as reader:
-            table = reader.read_all()
-        for batch in table.to_batches():
-            batch.validate(full=True)
-        return table
+        reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data))
+        first = reader.read_next_message()
+        if first.type != "schema":  # pyarrow reads any message as a schema, even crashing
+            raise WireError(f"invalid Arrow IPC stream: it starts with a {first.type} message")
+        schema = pa.ipc.read_schema(first)
+        messages = list(reader)
+    except StopIteration:
+        raise WireError("invalid Arrow IPC stream: it holds no schema") from None
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise WireError(f"invalid Arrow IPC stream: {exc}") from exc
+    if any(pa.types.is_dictionary(f.type) for f in schema):
+        raise WireError("invalid Arrow IPC stream: dictionary-encoded columns are not read")
+    batches = [_read_checked_batch(m, schema) for m in messages]
+    return pa.Table.from_batches(batches, schema=schema)
 
 
 def points_to_message(lat: np.ndarray, lon: np.ndarray) -> pb.Points:
