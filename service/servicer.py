@@ -16,16 +16,27 @@ import numpy as np
 import pyarrow as pa
 
 from geonear import __version__
-from geonear._wire import BatchDecoder, WireError, points_from_message, table_to_messages
+from geonear._wire import (
+    BatchDecoder,
+    WireError,
+    points_from_message,
+    table_to_messages,
+    tables_to_messages,
+)
 from geonear.service.batching import Batcher
 from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourRows
-from geonear.service.queries.knn import knn, knn_async
+from geonear.service.queries.knn import knn_async, knn_query, knn_slices
 from geonear.service.queries.matrix import distance_tiles
-from geonear.service.queries.radius import radius, radius_async
+from geonear.service.queries.radius import (
+    radius_async,
+    radius_query,
+    radius_query_async,
+    radius_slices,
+)
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
 from geonear.service.validation import (
@@ -109,6 +120,15 @@ def _time_left_s(context: grpc.ServicerContext) -> float | None:
 def _refuse_columns(request: pb.KnnRequest | pb.RadiusRequest, rpc: str, streaming: str) -> None:
     if request.columns:
         raise InvalidInput(f"{rpc} returns no attribute columns; call {streaming} for them")
+
+
+def _check_compact(result_rows: int, streaming_rpc: str) -> None:
+    """Refuse, before the search, a compact answer of more than COMPACT_MAX_ROWS rows."""
+    if result_rows > COMPACT_MAX_ROWS:
+        raise LimitExceeded(
+            f"{result_rows} result rows exceed the {COMPACT_MAX_ROWS} of a compact "
+            f"answer; call {streaming_rpc}, which streams any number"
+        )
 
 
 def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
@@ -221,7 +241,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
-    def _knn_args(self, request: pb.KnnRequest, context: Any) -> dict[str, Any]:
+    def _knn_args(self, request: pb.KnnRequest) -> dict[str, Any]:
         lat, lon = points_from_message(request.queries)
         return {
             "dataset": self.store.get(request.dataset),
@@ -233,11 +253,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             ),
             "columns": list(request.columns),
             "limits": self.limits,
-            "batcher": self.batcher,
-            "timeout_s": _time_left_s(context),
         }
 
-    def _radius_args(self, request: pb.RadiusRequest, context: Any) -> dict[str, Any]:
+    def _radius_args(self, request: pb.RadiusRequest) -> dict[str, Any]:
         lat, lon = points_from_message(request.queries)
         return {
             "dataset": self.store.get(request.dataset),
@@ -246,41 +264,54 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             "radius_m": float(request.radius_m),
             "columns": list(request.columns),
             "limits": self.limits,
-            "batcher": self.batcher,
-            "timeout_s": _time_left_s(context),
         }
 
-    # Knn and Radius stream Arrow tables of any size from a server thread; the compact
-    # forms answer small queries on the event loop, where batching costs no thread
-    # handoff per request (docs/benchmarks.md, "Small queries").
+    # Knn and Radius stream answers of any size from a server thread, searched, assembled
+    # and sent a slice of queries at a time; the compact forms answer small queries on
+    # the event loop, where batching costs no thread handoff per request
+    # (docs/benchmarks.md, "Small queries"). Every answer's size is known, and checked
+    # against the limits, before the search.
     def Knn(self, request, context):
         with _translate(context):
-            found = knn(**self._knn_args(request, context))
-            yield from table_to_messages(found.table(self.engine.earth_radius_m))
+            query = knn_query(**self._knn_args(request))
+            slices = knn_slices(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+            yield from self._stream(slices, context)
 
     def Radius(self, request, context):
         with _translate(context):
-            found = radius(**self._radius_args(request, context))
-            yield from table_to_messages(found.table(self.engine.earth_radius_m))
+            query = radius_query(**self._radius_args(request))
+            slices = radius_slices(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+            yield from self._stream(slices, context)
+
+    def _stream(self, slices: Iterator[NeighbourRows], context: Any) -> Iterator[pb.ArrowData]:
+        """One Arrow stream of the slices' tables; stops between slices once the caller
+        has gone."""
+
+        def tables() -> Iterator[pa.Table]:
+            for found in slices:
+                yield found.table(self.engine.earth_radius_m)
+                if not context.is_active():
+                    raise Cancelled("the call was cancelled; its search stopped")
+
+        return tables_to_messages(tables())
 
     async def KnnCompact(self, request, context):
         async with _translate_async(context):
             _refuse_columns(request, "KnnCompact", "Knn")
-            found = await knn_async(**self._knn_args(request, context))
-            return self._compact(found, "Knn")
+            query = knn_query(**self._knn_args(request))
+            _check_compact(query.result_rows, "Knn")
+            found = await knn_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+            return self._compact(found)
 
     async def RadiusCompact(self, request, context):
         async with _translate_async(context):
             _refuse_columns(request, "RadiusCompact", "Radius")
-            found = await radius_async(**self._radius_args(request, context))
-            return self._compact(found, "Radius")
+            query = await radius_query_async(**self._radius_args(request))
+            _check_compact(query.result_rows, "Radius")
+            found = await radius_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+            return self._compact(found)
 
-    def _compact(self, found: NeighbourRows, streaming_rpc: str) -> pb.CompactNeighbours:
-        if found.count > COMPACT_MAX_ROWS:
-            raise LimitExceeded(
-                f"{found.count} result rows exceed the {COMPACT_MAX_ROWS} of a compact "
-                f"answer; call {streaming_rpc}, which streams any number"
-            )
+    def _compact(self, found: NeighbourRows) -> pb.CompactNeighbours:
         response = pb.CompactNeighbours(
             query_index=found.query_index.tolist(),
             rank=found.rank.tolist(),
@@ -363,6 +394,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 max_iter=request.max_iter or 100,
                 tol=request.tol or 1e-6,
                 weight_column=request.weight_column,
+                return_labels=request.return_labels,
                 limits=self.limits,
                 should_stop=lambda: not context.is_active(),
             )
@@ -400,6 +432,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 max_concurrent_rpcs=limits.max_concurrent_rpcs,
                 max_dataset_host_bytes=limits.dataset_host_bytes(),
                 max_dataset_device_bytes=limits.max_dataset_device_bytes,
+                max_result_rows=limits.result_rows(),
             ),
             engines=[
                 self.engine.name,

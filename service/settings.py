@@ -64,12 +64,47 @@ class Limits(BaseSettings):
         description="device memory all datasets together may hold, bytes; "
         "0: no limit but the device's own",
     )
+    max_result_rows: int = Field(
+        0,
+        ge=0,
+        description="most result rows of one Knn, Radius or KMeans labels answer; "
+        "0: sized to the host (physical memory / 1200 bytes, 1M to 500M)",
+    )
 
     def dataset_host_bytes(self) -> int:
         """The host budget in force: the setting, or 3/4 of physical memory for 0."""
         if self.max_dataset_host_bytes:
             return self.max_dataset_host_bytes
         return physical_memory_bytes() * 3 // 4
+
+    def result_rows(self) -> int:
+        """The result-row cap in force: the setting, or one sized to the host for 0."""
+        if self.max_result_rows:
+            return self.max_result_rows
+        return default_result_rows(physical_memory_bytes())
+
+
+#: Bytes one neighbour result row (query_index, rank, id, distance_m) costs where a whole
+#: answer is held at once, measured: 60-75 at the Python client (the messages, the table,
+#: a DataFrame of it), 110-140 on the server before answers were made in slices
+#: (candidates, exact distances, sort order, Arrow table, IPC and protobuf copies).
+#: 150 covers either, and some attribute columns.
+RESULT_ROW_BYTES = 150
+#: One answer may take an eighth of memory: other calls, their clients (in the same
+#: process for ``geonear.connect()``) and the datasets need the rest.
+RESULT_MEMORY_SHARE = 8
+#: The host-sized cap stays within these: 1M rows answers 100k queries at k=10 on the
+#: smallest host; 500M rows (75 GB held at a client) is more than any one call should
+#: carry, whatever the host.
+RESULT_ROWS_FLOOR = 1_000_000
+RESULT_ROWS_CEILING = 500_000_000
+
+
+def default_result_rows(memory_bytes: int) -> int:
+    """The result-row cap of a host with ``memory_bytes`` of physical memory (16 GiB:
+    14.3M rows)."""
+    sized = memory_bytes // (RESULT_ROW_BYTES * RESULT_MEMORY_SHARE)
+    return int(min(RESULT_ROWS_CEILING, max(RESULT_ROWS_FLOOR, sized)))
 
 
 class ServerSettings(BaseSettings):

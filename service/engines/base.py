@@ -24,6 +24,8 @@ import pyarrow as pa
 from geonear.service.geometry import EARTH_RADIUS_M
 
 MatrixDtype = Literal["float64", "float32"]
+#: (query, point) pairs a slice of ``PointIndex.radius_count``'s default may gather at once.
+COUNT_SLICE_PAIRS = 1 << 22
 
 
 class DeviceLost(RuntimeError):
@@ -141,6 +143,23 @@ class PointIndex(ABC):
     @abstractmethod
     def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
         """All points within ``radius_m`` metres of each query."""
+
+    def radius_count(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> np.ndarray:
+        """Number of points within ``radius_m`` metres of each query, int64 of shape (n,).
+
+        Exactly ``np.diff(self.radius(lat, lon, radius_m).offsets)``, found without
+        gathering the neighbours, so that the size of a radius answer is known (and
+        refused where too large) before it is made. Engines with a counting search
+        override this; the default counts from ``radius`` itself, in slices of queries
+        whose answers hold at most COUNT_SLICE_PAIRS (query, point) pairs.
+        """
+        n_q = int(np.shape(lat)[0])
+        counts = np.zeros(n_q, dtype=np.int64)
+        step = max(1, COUNT_SLICE_PAIRS // max(1, self.n_points))
+        for start in range(0, n_q, step):
+            found = self.radius(lat[start : start + step], lon[start : start + step], radius_m)
+            counts[start : start + step] = np.diff(found.offsets)
+        return counts
 
     @abstractmethod
     def kmeans(

@@ -134,6 +134,26 @@ class KDTreeIndex(HostIndex):
     ) -> tuple[np.ndarray, np.ndarray]:
         return self._candidates(lat, lon, radius_m, self._workers_for(lat.shape[0]))
 
+    def counts_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The tree's counts within the chord bound shrunk by the slack (surely within)
+        and widened by it (the candidates of ``radius``)."""
+        every = self.everything_within(lat.shape[0], radius_m)
+        if every is not None:
+            return every, every
+        xyz = unit_vectors(lat, lon)
+        workers = self._workers_for(lat.shape[0])
+        outer = self.tree.query_ball_point(
+            xyz, _chord_bound(radius_m, self.earth_radius_m), workers=workers, return_length=True
+        )
+        inner = chord_for_distance(radius_m, self.earth_radius_m) * (1 - _CHORD_SLACK)
+        inner -= _CHORD_SLACK
+        if inner <= 0:
+            return np.zeros(lat.shape[0], dtype=np.int64), outer.astype(np.int64)
+        sure = self.tree.query_ball_point(xyz, inner, workers=workers, return_length=True)
+        return sure.astype(np.int64), outer.astype(np.int64)
+
     def _candidates(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray, workers: int
     ) -> tuple[np.ndarray, np.ndarray]:

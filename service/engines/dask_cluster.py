@@ -100,6 +100,12 @@ def _partition_radius(
     return found.query_index, part.rows[found.indices], found.distances_m
 
 
+def _partition_radius_count(
+    part: _Partition, lat: np.ndarray, lon: np.ndarray, radius_m: float
+) -> np.ndarray:
+    return part.index.radius_count(lat, lon, radius_m)
+
+
 def _partition_lloyd_step(
     part: _Partition, centroids: np.ndarray, weights: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -283,6 +289,30 @@ class DaskIndex(PointIndex):
             width = d.shape[1]
             dist[queries, p * kk : p * kk + width] = d
             rows[queries, p * kk : p * kk + width] = r
+
+    def radius_count(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> np.ndarray:
+        """The partitions' own counts, summed: each point lies in one partition."""
+        n_q = lat.shape[0]
+        counts = np.zeros(n_q, dtype=np.int64)
+        if n_q == 0:
+            return counts
+        ask = self._lower_bounds_m(lat, lon) <= radius_m + _PRUNE_SLACK_M
+        jobs = []
+        for p in range(ask.shape[1]):
+            queries = np.flatnonzero(ask[:, p])
+            if queries.size:
+                future = self.client.submit(
+                    _partition_radius_count,
+                    self.partitions[p],
+                    lat[queries],
+                    lon[queries],
+                    radius_m,
+                    pure=False,
+                )
+                jobs.append((queries, future))
+        for (queries, _), found in zip(jobs, self._gather([f for _, f in jobs]), strict=True):
+            counts[queries] += found
+        return counts
 
     def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
         n_q = lat.shape[0]

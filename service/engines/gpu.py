@@ -621,10 +621,20 @@ class GPUIndex(PointIndex):
             offsets=_to_host(offsets), indices=_to_host(idx), distances_m=_to_host(dist)
         )
 
-    def radius_device(
-        self, queries: _Queries, radius_m: float
-    ) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
-        """(offsets (n_queries + 1,), rows, distances_m) on the device, nearest first."""
+    @gpu_memory.out_of_memory_guard("a radius count")
+    def radius_count(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> np.ndarray:
+        """The radius search's first pass alone: it counts each query's neighbours with
+        the same decisions as the pass that writes them."""
+        n_q = int(np.shape(lat)[0])
+        if n_q == 0 or self.n_points == 0 or radius_m < 0:
+            return np.zeros(n_q, dtype=np.int64)
+        queries = _Queries(lat, lon, self)
+        head = self._radius_head(queries, float(radius_m))
+        self._radius_pass(queries, head)
+        return _to_host(head[-1])
+
+    def _radius_head(self, queries: _Queries, radius_m: float) -> tuple[Any, ...]:
+        """The radius kernel's arguments up to the counts (the last, one a query)."""
         if radius_m >= math.pi * self.earth_radius_m:
             thr, inner_sq, outer_sq = np.float32(np.inf), 5.0, 5.0  # every chord^2 is <= 4
         else:
@@ -633,8 +643,7 @@ class GPUIndex(PointIndex):
             thr = np.float32(margin * margin)
             inner_sq = chord * chord * (1 - _CHORD_SLACK)
             outer_sq = chord * chord * (1 + _CHORD_SLACK) + 1e-30
-        counts = cp.empty(queries.n, dtype=cp.int64)
-        head = (
+        return (
             self.xyz,
             self.rows,
             *self._tree_args(),
@@ -644,17 +653,32 @@ class GPUIndex(PointIndex):
             np.float64(outer_sq),
             np.float64(radius_m),
             np.float64(self.earth_radius_m),
-            counts,
+            cp.empty(queries.n, dtype=cp.int64),
         )
-        search = _fn("radius_search")
+
+    def _radius_pass(
+        self,
+        queries: _Queries,
+        head: tuple[Any, ...],
+        out: tuple[Any, Any, Any] = (_NULL, _NULL, _NULL),
+    ) -> None:
+        """The radius kernel: counts only without ``out``, else (offsets, rows, metres)."""
         grid, block = (_blocks(queries.n, _QUERIES_PER_BLOCK),), (_THREADS,)
-        search(grid, block, (*head, _NULL, _NULL, _NULL, np.int32(RADIUS_SORT_LIMIT)))
+        _fn("radius_search")(grid, block, (*head, *out, np.int32(RADIUS_SORT_LIMIT)))
+
+    def radius_device(
+        self, queries: _Queries, radius_m: float
+    ) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        """(offsets (n_queries + 1,), rows, distances_m) on the device, nearest first."""
+        head = self._radius_head(queries, radius_m)
+        counts = head[-1]
+        self._radius_pass(queries, head)
         offsets = cp.zeros(queries.n + 1, dtype=cp.int64)
         cp.cumsum(counts, out=offsets[1:])
         total = int(offsets[-1])
         idx = cp.empty(total, dtype=cp.int64)
         dist = cp.empty(total, dtype=cp.float64)
-        search(grid, block, (*head, offsets, idx, dist, np.int32(RADIUS_SORT_LIMIT)))
+        self._radius_pass(queries, head, (offsets, idx, dist))
         long_queries = cp.flatnonzero(counts > RADIUS_SORT_LIMIT)
         if long_queries.size:
             _sort_segments(offsets, counts, long_queries, idx, dist)

@@ -162,6 +162,47 @@ class HostIndex(PointIndex):
         """(query_index, rows): a superset of the points within ``radius_m[q]`` of query q."""
         raise NotImplementedError(f"{type(self).__name__} has no radius candidate search")
 
+    def counts_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: float
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per query, (points surely within ``radius_m``, points ``candidates_within``
+        finds), each counted by the index without listing them; None where it cannot."""
+        return None
+
+    def everything_within(self, n_queries: int, radius_m: float) -> np.ndarray | None:
+        """Each query's count where ``radius_m`` is half the circumference or more (no two
+        points are farther apart: every point is within); None otherwise."""
+        if radius_m >= np.pi * self.earth_radius_m:
+            return np.full(n_queries, self.n_points, dtype=np.int64)
+        return None
+
+    def radius_count(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> np.ndarray:
+        """Exact counts from the index's two counts: where they differ, a candidate lies
+        within the slack of the boundary, and that query's candidates are measured as
+        ``radius`` measures them (rare: it takes a point within about 1e-9 of the radius)."""
+        n_q = int(lat.shape[0])
+        bounds = self.counts_within(lat, lon, radius_m) if n_q else None
+        if bounds is None:
+            return super().radius_count(lat, lon, radius_m)
+        sure, counts = bounds
+        unsure = np.flatnonzero(counts > sure)
+        # In groups of at most BLOCK_PAIRS candidates (a query with more, alone).
+        first = np.cumsum(counts[unsure]) - counts[unsure]
+        group_of = first // BLOCK_PAIRS
+        cuts = np.flatnonzero(np.diff(group_of)) + 1
+        for group in np.split(unsure, cuts) if unsure.size else []:
+            g_lat, g_lon = lat[group], lon[group]
+            query_index, rows = self.candidates_within(g_lat, g_lon, np.full(group.size, radius_m))
+            dist = great_circle_m(
+                g_lat[query_index],
+                g_lon[query_index],
+                self.lat[rows],
+                self.lon[rows],
+                self.earth_radius_m,
+            )
+            counts[group] = np.bincount(query_index[dist <= radius_m], minlength=group.size)
+        return counts
+
     def radius(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> RadiusNeighbours:
         """Candidates from the tree, kept and sorted by their exact distance."""
         query_index, rows = self.candidates_within(lat, lon, np.full(lat.shape[0], radius_m))

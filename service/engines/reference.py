@@ -60,6 +60,15 @@ class ReferenceIndex(HostIndex):
             return sort_radius(empty, empty, np.empty(0), n_q)
         return sort_radius(np.concatenate(qs), np.concatenate(rows), np.concatenate(dists), n_q)
 
+    def radius_count(self, lat: np.ndarray, lon: np.ndarray, radius_m: float) -> np.ndarray:
+        n_q = lat.shape[0]
+        counts = np.zeros(n_q, dtype=np.int64)
+        step = self._step()
+        for start in range(0, n_q, step):
+            dist = self._distances(lat[start : start + step], lon[start : start + step])
+            counts[start : start + step] = np.count_nonzero(dist <= radius_m, axis=1)
+        return counts
+
 
 class ReferenceEngine(HostEngine):
     """float64 brute force: the definition of the right answer."""

@@ -14,6 +14,9 @@ from geonear.service.engines.base import Neighbours
 from geonear.service.engines.host import HostEngine, HostIndex, flatten_candidates
 
 _ANGLE_SLACK = 1e-9
+#: Points this much nearer than the radius (radians) are surely within it: haversine
+#: angles err by up to about 2e-8 near antipodes.
+_SURE_ANGLE_MARGIN = 1e-7
 
 
 class BallTreeIndex(HostIndex):
@@ -46,9 +49,27 @@ class BallTreeIndex(HostIndex):
         n_q = lat.shape[0]
         if n_q == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        angle = np.asarray(radius_m) / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
-        found = self.tree.query_radius(self._radians(lat, lon), r=angle)
+        found = self.tree.query_radius(self._radians(lat, lon), r=self._outer_angle(radius_m))
         return flatten_candidates(found, n_q)
+
+    def counts_within(
+        self, lat: np.ndarray, lon: np.ndarray, radius_m: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The tree's counts within the angle shrunk by _SURE_ANGLE_MARGIN (surely within)
+        and widened by the slack (the candidates of ``radius``)."""
+        every = self.everything_within(lat.shape[0], radius_m)
+        if every is not None:
+            return every, every
+        points = self._radians(lat, lon)
+        outer = self.tree.query_radius(points, r=self._outer_angle(radius_m), count_only=True)
+        inner = radius_m / self.earth_radius_m - _SURE_ANGLE_MARGIN
+        if inner <= 0:
+            return np.zeros(lat.shape[0], dtype=np.int64), outer.astype(np.int64)
+        sure = self.tree.query_radius(points, r=inner, count_only=True)
+        return sure.astype(np.int64), outer.astype(np.int64)
+
+    def _outer_angle(self, radius_m: float | np.ndarray) -> float | np.ndarray:
+        return np.asarray(radius_m) / self.earth_radius_m * (1 + _ANGLE_SLACK) + _ANGLE_SLACK
 
 
 class SklearnEngine(HostEngine):

@@ -10,6 +10,7 @@ import pyarrow as pa
 from geonear.service.engines import KMeansResult
 from geonear.service.engines.spherical_kmeans import KMeansStopped, stopping_when
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded
+from geonear.service.queries.common import check_result_rows
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion, column_numpy
 from geonear.service.validation import RESERVED
@@ -27,12 +28,21 @@ def kmeans(
     max_iter: int = 100,
     tol: float = 1e-6,
     weight_column: str = "",
+    return_labels: bool = False,
     limits: Limits,
     should_stop: Callable[[], bool] | None = None,
 ) -> KMeansResult:
-    """Spherical k-means of ``dataset``; stops with Cancelled when ``should_stop()`` is True."""
+    """Spherical k-means of ``dataset``; stops with Cancelled when ``should_stop()`` is True.
+
+    With ``return_labels`` the answer has a row a dataset row, refused beyond
+    ``max_result_rows`` before the clustering starts.
+    """
     if k > limits.max_k:
         raise LimitExceeded(f"k={k} exceeds max_k={limits.max_k} (setting GEONEAR_MAX_K)")
+    if return_labels:
+        check_result_rows(
+            dataset.rows, limits, f"the labels of {dataset.name!r}", "ask for the summary only"
+        )
     if not 1 <= k <= dataset.rows:
         raise InvalidInput(f"k must be between 1 and the dataset's {dataset.rows} rows, got {k}")
     if not 1 <= n_init <= MAX_N_INIT or max_iter < 1 or not (np.isfinite(tol) and tol >= 0):

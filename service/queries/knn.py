@@ -1,21 +1,59 @@
-"""KNN queries: the k nearest dataset points of each query point."""
+"""KNN queries: the k nearest dataset points of each query point.
+
+``knn_query`` checks a request and knows its answer's size before any search;
+``knn``/``knn_async`` answer it whole (compact answers, small by construction) and
+``knn_slices`` a slice of queries at a time (streamed answers).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from geonear.service.batching import Batcher
 from geonear.service.engines import Neighbours
 from geonear.service.errors import InvalidInput, LimitExceeded
-from geonear.service.queries.common import NeighbourRows, check_columns, check_queries
+from geonear.service.queries.common import (
+    NeighbourRows,
+    batchable,
+    check_columns,
+    check_queries,
+    check_result_rows,
+    fixed_slices,
+)
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
 
-def knn(
+@dataclass(frozen=True)
+class KnnQuery:
+    """A checked KNN request over one dataset version."""
+
+    dataset: DatasetVersion
+    lat: np.ndarray
+    lon: np.ndarray
+    k: int
+    max_distance_m: float | None
+    columns: tuple[str, ...]
+
+    @property
+    def n_queries(self) -> int:
+        return int(self.lat.shape[0])
+
+    @property
+    def rows_per_query(self) -> int:
+        return min(self.k, self.dataset.rows)
+
+    @property
+    def result_rows(self) -> int:
+        """Most rows of the answer (fewer where ``max_distance_m`` leaves some out)."""
+        return self.n_queries * self.rows_per_query
+
+
+def knn_query(
     dataset: DatasetVersion,
     lat: np.ndarray,
     lon: np.ndarray,
@@ -24,53 +62,9 @@ def knn(
     max_distance_m: float | None = None,
     columns: Sequence[str] = (),
     limits: Limits,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
-) -> NeighbourRows:
-    """Neighbours of every query, nearest first.
-
-    With a ``batcher``, the engine call may be shared with concurrent requests; a
-    request still queued after ``timeout_s`` is refused with DEADLINE_EXCEEDED.
-    """
-    checked = _check(dataset, lat, lon, k, max_distance_m, columns, limits)
-    if batcher is None:
-        found = dataset.index.knn(lat, lon, k, max_distance_m)
-    else:
-        found = batcher.knn(dataset.index, lat, lon, k, max_distance_m, timeout_s)
-    return _rows(dataset, found, checked)
-
-
-async def knn_async(
-    dataset: DatasetVersion,
-    lat: np.ndarray,
-    lon: np.ndarray,
-    k: int,
-    *,
-    max_distance_m: float | None = None,
-    columns: Sequence[str] = (),
-    limits: Limits,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
-) -> NeighbourRows:
-    """``knn`` for the server's event loop: the engine runs on another thread."""
-    checked = _check(dataset, lat, lon, k, max_distance_m, columns, limits)
-    if batcher is None:
-        found = await asyncio.to_thread(dataset.index.knn, lat, lon, k, max_distance_m)
-    else:
-        found = await batcher.knn_async(dataset.index, lat, lon, k, max_distance_m, timeout_s)
-    return _rows(dataset, found, checked)
-
-
-def _check(
-    dataset: DatasetVersion,
-    lat: np.ndarray,
-    lon: np.ndarray,
-    k: int,
-    max_distance_m: float | None,
-    columns: Sequence[str],
-    limits: Limits,
-) -> tuple[str, ...]:
-    """The checked attribute columns; raises on a bad k, bound, query or column."""
+) -> KnnQuery:
+    """The request, checked; raises on a bad k, bound, query or column, and refuses an
+    answer beyond ``max_result_rows`` before any search."""
     if k < 1:
         raise InvalidInput(f"k must be at least 1, got {k}")
     if k > limits.max_k:
@@ -78,17 +72,70 @@ def _check(
     if max_distance_m is not None and not (np.isfinite(max_distance_m) and max_distance_m >= 0):
         raise InvalidInput(f"max_distance_m must be a finite number >= 0, got {max_distance_m}")
     check_queries(lat, lon, limits)
-    return tuple(check_columns(dataset, columns))
+    query = KnnQuery(dataset, lat, lon, k, max_distance_m, tuple(check_columns(dataset, columns)))
+    check_result_rows(
+        query.result_rows, limits, f"{query.n_queries} queries x min(k={k}, {dataset.rows} rows)"
+    )
+    return query
 
 
-def _rows(dataset: DatasetVersion, found: Neighbours, columns: tuple[str, ...]) -> NeighbourRows:
+def knn(
+    query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+) -> NeighbourRows:
+    """Neighbours of every query, nearest first, in one engine call.
+
+    With a ``batcher``, the engine call may be shared with concurrent requests; a
+    request still queued after ``timeout_s`` is refused with DEADLINE_EXCEEDED.
+    """
+    return _search(query, 0, query.n_queries, batcher, timeout_s)
+
+
+async def knn_async(
+    query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+) -> NeighbourRows:
+    """``knn`` for the server's event loop: the engine runs on another thread."""
+    q = query
+    shared = batchable(batcher, q.n_queries, q.result_rows)
+    if shared is None:
+        found = await asyncio.to_thread(q.dataset.index.knn, q.lat, q.lon, q.k, q.max_distance_m)
+    else:
+        found = await shared.knn_async(
+            q.dataset.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s
+        )
+    return _rows(q, found, 0)
+
+
+def knn_slices(
+    query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+) -> Iterator[NeighbourRows]:
+    """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched as
+    it is asked for; query_index counts from the call's first query."""
+    for start, stop in fixed_slices(query.n_queries, query.rows_per_query):
+        yield _search(query, start, stop, batcher, timeout_s)
+
+
+def _search(
+    q: KnnQuery, start: int, stop: int, batcher: Batcher | None, timeout_s: float | None
+) -> NeighbourRows:
+    lat, lon = q.lat[start:stop], q.lon[start:stop]
+    shared = batchable(batcher, stop - start, (stop - start) * q.rows_per_query)
+    if shared is None:
+        found = q.dataset.index.knn(lat, lon, q.k, q.max_distance_m)
+    else:
+        found = shared.knn(q.dataset.index, lat, lon, q.k, q.max_distance_m, timeout_s)
+    return _rows(q, found, start)
+
+
+def _rows(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourRows:
     valid = found.indices >= 0
     query_index, rank = np.nonzero(valid)
+    if first_query:
+        query_index += first_query
     return NeighbourRows(
-        dataset,
+        q.dataset,
         query_index.astype(np.int64, copy=False),
         rank.astype(np.int32),
         found.indices[valid],
         found.distances_m[valid],
-        columns,
+        q.columns,
     )

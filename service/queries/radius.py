@@ -1,21 +1,59 @@
-"""Radius queries: every dataset point within radius_m of each query point."""
+"""Radius queries: every dataset point within radius_m of each query point.
+
+``radius_query`` checks a request and counts each query's neighbours (the engine's
+``radius_count``, which gathers none), so that the answer's size is known before the
+search; ``radius``/``radius_async`` answer it whole and ``radius_slices`` a slice of
+queries at a time, cut by those counts.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from geonear.service.batching import Batcher
 from geonear.service.engines import RadiusNeighbours
 from geonear.service.errors import InvalidInput
-from geonear.service.queries.common import NeighbourRows, check_columns, check_queries
+from geonear.service.queries.common import (
+    NeighbourRows,
+    batchable,
+    check_columns,
+    check_queries,
+    check_result_rows,
+    counted_slices,
+)
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
+#: Counts for at most this many queries run on the event loop itself: a count of a few
+#: queries costs less than handing it to a thread.
+INLINE_COUNT_QUERIES = 64
 
-def radius(
+
+@dataclass(frozen=True)
+class RadiusQuery:
+    """A checked radius request over one dataset version, with its neighbours counted."""
+
+    dataset: DatasetVersion
+    lat: np.ndarray
+    lon: np.ndarray
+    radius_m: float
+    columns: tuple[str, ...]
+    counts: np.ndarray  # int64, neighbours of each query
+
+    @property
+    def n_queries(self) -> int:
+        return int(self.lat.shape[0])
+
+    @property
+    def result_rows(self) -> int:
+        return int(self.counts.sum())
+
+
+def radius_query(
     dataset: DatasetVersion,
     lat: np.ndarray,
     lon: np.ndarray,
@@ -23,36 +61,60 @@ def radius(
     *,
     columns: Sequence[str] = (),
     limits: Limits,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
-) -> NeighbourRows:
-    """Points within ``radius_m`` of each query, nearest first per query (see ``knn``)."""
+) -> RadiusQuery:
+    """The request, checked and counted; an answer beyond ``max_result_rows`` is refused
+    before any neighbour is gathered."""
     checked = _check(dataset, lat, lon, radius_m, columns, limits)
-    if batcher is None:
-        found = dataset.index.radius(lat, lon, radius_m)
-    else:
-        found = batcher.radius(dataset.index, lat, lon, radius_m, timeout_s)
-    return _rows(dataset, found, checked)
+    return _counted(dataset, lat, lon, radius_m, checked, limits, None)
+
+
+async def radius_query_async(
+    dataset: DatasetVersion,
+    lat: np.ndarray,
+    lon: np.ndarray,
+    radius_m: float,
+    *,
+    columns: Sequence[str] = (),
+    limits: Limits,
+) -> RadiusQuery:
+    """``radius_query`` for the server's event loop: large counts run on another thread."""
+    checked = _check(dataset, lat, lon, radius_m, columns, limits)
+    counts = (
+        dataset.index.radius_count(lat, lon, radius_m)
+        if lat.shape[0] <= INLINE_COUNT_QUERIES
+        else await asyncio.to_thread(dataset.index.radius_count, lat, lon, radius_m)
+    )
+    return _counted(dataset, lat, lon, radius_m, checked, limits, counts)
+
+
+def radius(
+    query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+) -> NeighbourRows:
+    """Points within ``radius_m`` of each query, nearest first per query, in one engine
+    call (see ``knn.knn`` for the batcher)."""
+    return _search(query, 0, query.n_queries, batcher, timeout_s)
 
 
 async def radius_async(
-    dataset: DatasetVersion,
-    lat: np.ndarray,
-    lon: np.ndarray,
-    radius_m: float,
-    *,
-    columns: Sequence[str] = (),
-    limits: Limits,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
+    query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
 ) -> NeighbourRows:
     """``radius`` for the server's event loop: the engine runs on another thread."""
-    checked = _check(dataset, lat, lon, radius_m, columns, limits)
-    if batcher is None:
-        found = await asyncio.to_thread(dataset.index.radius, lat, lon, radius_m)
+    q = query
+    shared = batchable(batcher, q.n_queries, q.result_rows)
+    if shared is None:
+        found = await asyncio.to_thread(q.dataset.index.radius, q.lat, q.lon, q.radius_m)
     else:
-        found = await batcher.radius_async(dataset.index, lat, lon, radius_m, timeout_s)
-    return _rows(dataset, found, checked)
+        found = await shared.radius_async(q.dataset.index, q.lat, q.lon, q.radius_m, timeout_s)
+    return _rows(q, found, 0)
+
+
+def radius_slices(
+    query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+) -> Iterator[NeighbourRows]:
+    """The answer a slice of queries at a time (about ``SLICE_ROWS`` rows each, by the
+    counts), searched as it is asked for; query_index counts from the call's first query."""
+    for start, stop in counted_slices(query.counts):
+        yield _search(query, start, stop, batcher, timeout_s)
 
 
 def _check(
@@ -69,11 +131,41 @@ def _check(
     return tuple(check_columns(dataset, columns))
 
 
-def _rows(
-    dataset: DatasetVersion, found: RadiusNeighbours, columns: tuple[str, ...]
+def _counted(
+    dataset: DatasetVersion,
+    lat: np.ndarray,
+    lon: np.ndarray,
+    radius_m: float,
+    columns: tuple[str, ...],
+    limits: Limits,
+    counts: np.ndarray | None,
+) -> RadiusQuery:
+    if counts is None:
+        counts = dataset.index.radius_count(lat, lon, radius_m)
+    query = RadiusQuery(dataset, lat, lon, radius_m, columns, counts)
+    check_result_rows(
+        query.result_rows, limits, f"a radius of {radius_m} m around {query.n_queries} queries"
+    )
+    return query
+
+
+def _search(
+    q: RadiusQuery, start: int, stop: int, batcher: Batcher | None, timeout_s: float | None
 ) -> NeighbourRows:
+    lat, lon = q.lat[start:stop], q.lon[start:stop]
+    shared = batchable(batcher, stop - start, int(q.counts[start:stop].sum()))
+    if shared is None:
+        found = q.dataset.index.radius(lat, lon, q.radius_m)
+    else:
+        found = shared.radius(q.dataset.index, lat, lon, q.radius_m, timeout_s)
+    return _rows(q, found, start)
+
+
+def _rows(q: RadiusQuery, found: RadiusNeighbours, first_query: int) -> NeighbourRows:
     query_index = found.query_index
     rank = np.arange(query_index.shape[0], dtype=np.int64) - found.offsets[query_index]
+    if first_query:
+        query_index += first_query
     return NeighbourRows(
-        dataset, query_index, rank.astype(np.int32), found.indices, found.distances_m, columns
+        q.dataset, query_index, rank.astype(np.int32), found.indices, found.distances_m, q.columns
     )

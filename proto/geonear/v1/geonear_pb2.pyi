@@ -306,7 +306,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_k", "max_matrix_cells", "max_upload_rows", "max_message_bytes", "max_query_points", "max_concurrent_rpcs", "max_dataset_host_bytes", "max_dataset_device_bytes")
+    __slots__ = ("max_k", "max_matrix_cells", "max_upload_rows", "max_message_bytes", "max_query_points", "max_concurrent_rpcs", "max_dataset_host_bytes", "max_dataset_device_bytes", "max_result_rows")
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_MATRIX_CELLS_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class Limits(_message.Message):
     MAX_CONCURRENT_RPCS_FIELD_NUMBER: _ClassVar[int]
     MAX_DATASET_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_DATASET_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULT_ROWS_FIELD_NUMBER: _ClassVar[int]
     max_k: int
     max_matrix_cells: int
     max_upload_rows: int
@@ -323,7 +324,8 @@ class Limits(_message.Message):
     max_concurrent_rpcs: int
     max_dataset_host_bytes: int
     max_dataset_device_bytes: int
-    def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_dataset_host_bytes: _Optional[int] = ..., max_dataset_device_bytes: _Optional[int] = ...) -> None: ...
+    max_result_rows: int
+    def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_dataset_host_bytes: _Optional[int] = ..., max_dataset_device_bytes: _Optional[int] = ..., max_result_rows: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes", "worker_processes", "worker_index")

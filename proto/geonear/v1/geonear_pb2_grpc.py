@@ -157,14 +157,16 @@ class GeoNearServicer:
     def KnnCompact(self, request, context):
         """Knn for small queries ("the 10 nearest stores") in one unary message with the results
         inline, no Arrow: the cheapest path per call. Same semantics as Knn; no attribute
-        columns (ask Knn for those). Refused with RESOURCE_EXHAUSTED above 65 536 result rows.
+        columns (ask Knn for those). Refused with RESOURCE_EXHAUSTED, before the search,
+        when queries x min(k, dataset rows) exceeds 65 536 result rows.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RadiusCompact(self, request, context):
-        """Radius for small queries, inline like KnnCompact.
+        """Radius for small queries, inline like KnnCompact; refused before the neighbours are
+        gathered when their count exceeds 65 536.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
