@@ -214,6 +214,7 @@ def _port_problem(host: str, port: int, what: str) -> str | None:
         )
     except socket.gaierror as exc:
         return f"cannot bind {host}:{port}: {host!r} is not a known address ({exc.strerror})"
+    failures: list[OSError] = []
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             # As gRPC binds: a port left in TIME_WAIT by an earlier server is free.
@@ -221,16 +222,20 @@ def _port_problem(host: str, port: int, what: str) -> str | None:
             try:
                 probe.bind(address)
             except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return (
-                        f"{what} {port} on {host} is in use (is another geonear serve "
-                        "running?); choose another with --port, or --port 0 for a free one"
-                    )
-                if exc.errno == errno.EACCES:
-                    return f"no permission to bind {what} {port} on {host}; use a port above 1023"
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    return f"cannot bind {host}: not an address of this machine (--host)"
-                return f"cannot bind {host}:{port}: {exc.strerror}"
+                failures.append(exc)
+    codes = {exc.errno for exc in failures}
+    if errno.EADDRINUSE in codes:
+        return (
+            f"{what} {port} on {host} is in use (is another geonear serve running?); "
+            "choose another with --port, or --port 0 for a free one"
+        )
+    if errno.EACCES in codes:
+        return f"no permission to bind {what} {port} on {host}; use a port above 1023"
+    if failures and len(failures) == len(addresses):
+        # gRPC binds what it can of a name (localhost without IPv6 is fine); none is not.
+        if codes <= {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT}:
+            return f"cannot bind {host}: not an address of this machine (--host)"
+        return f"cannot bind {host}:{port}: {failures[0].strerror}"
     return None
 
 
