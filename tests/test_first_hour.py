@@ -698,3 +698,5 @@ def test_a_decimal_comma_gets_a_hint(
     code, _, err = run(capsys, "load", str(path), *target)
     line = one_line(err)
     assert code == 2 and "not a number" in line and "40.7, not 40,7" in line
+    with pytest.raises(ValueError, match=r"use a decimal point \(40\.7\)"):
+        client.knn("x", "40,7", "-74")
