@@ -103,6 +103,7 @@ class ServerLimits:
     max_concurrent_rpcs: int
     max_dataset_host_bytes: int
     max_dataset_device_bytes: int
+    max_result_rows: int
 
     def describe(self) -> str:
         """``max_k: 10000; max_matrix_cells: ...``, one line."""
