@@ -144,15 +144,15 @@ class KDTreeIndex(HostIndex):
             return every, every
         xyz = unit_vectors(lat, lon)
         workers = self._workers_for(lat.shape[0])
-        outer = self.tree.query_ball_point(
-            xyz, _chord_bound(radius_m, self.earth_radius_m), workers=workers, return_length=True
-        )
-        inner = chord_for_distance(radius_m, self.earth_radius_m) * (1 - _CHORD_SLACK)
-        inner -= _CHORD_SLACK
+        chord = chord_for_distance(radius_m, self.earth_radius_m)
+        # The same expression as _chord_bound, so the same candidates as ``radius``.
+        outer = chord * (1 + _CHORD_SLACK) + _CHORD_SLACK
+        inner = chord * (1 - _CHORD_SLACK) - _CHORD_SLACK
+        maybe = self.tree.query_ball_point(xyz, outer, workers=workers, return_length=True)
         if inner <= 0:
-            return np.zeros(lat.shape[0], dtype=np.int64), outer.astype(np.int64)
+            return np.zeros(lat.shape[0], dtype=np.int64), maybe.astype(np.int64)
         sure = self.tree.query_ball_point(xyz, inner, workers=workers, return_length=True)
-        return sure.astype(np.int64), outer.astype(np.int64)
+        return sure.astype(np.int64), maybe.astype(np.int64)
 
     def _candidates(
         self, lat: np.ndarray, lon: np.ndarray, radius_m: np.ndarray, workers: int

@@ -186,11 +186,13 @@ class HostIndex(PointIndex):
             return super().radius_count(lat, lon, radius_m)
         sure, counts = bounds
         unsure = np.flatnonzero(counts > sure)
+        if not unsure.size:
+            return counts
         # In groups of at most BLOCK_PAIRS candidates (a query with more, alone).
         first = np.cumsum(counts[unsure]) - counts[unsure]
         group_of = first // BLOCK_PAIRS
         cuts = np.flatnonzero(np.diff(group_of)) + 1
-        for group in np.split(unsure, cuts) if unsure.size else []:
+        for group in np.split(unsure, cuts):
             g_lat, g_lon = lat[group], lon[group]
             query_index, rows = self.candidates_within(g_lat, g_lon, np.full(group.size, radius_m))
             dist = great_circle_m(
