@@ -164,7 +164,10 @@ def attach_queries(
     ``as_geo`` makes a GeoDataFrame whose geometry is each row's query point.
     """
     names = query_column_names(found, query_columns)
-    position = table.column("query_index").to_numpy()
+    if "query_index" in table.column_names:
+        position = table.column("query_index").to_numpy()
+    else:  # one row per query, in query order
+        position = np.arange(table.num_rows)
     if as_arrow:
         if as_geo:
             raise ValueError("as_arrow and as_geo exclude each other")

@@ -151,6 +151,8 @@ class _ThreadContext:
         self._metadata = context.invocation_metadata()
         #: Set when the call ended under the handler (cancelled or past its deadline).
         self.over = threading.Event()
+        #: Sent with the call's status once the handler has returned.
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
 
     def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise _Abort(code, details)
@@ -160,6 +162,9 @@ class _ThreadContext:
 
     def is_active(self) -> bool:
         return not self.over.is_set()
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing_metadata = metadata
 
     def peer(self) -> str:
         return self._peer
@@ -362,7 +367,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         A streamed request comes back as an iterator to read from a server thread.
         """
-        call = _Call("" if streaming else getattr(request, "dataset", ""), upload=streaming)
+        call = _Call("" if streaming else getattr(request, "dataset", ""), upload=rpc == "Upload")
         refusal = self._refusal(call, rpc, request, denial, streaming)
         if refusal is not None:
             self._finish(call, rpc, context, refusal[0])
@@ -377,8 +382,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         for message in requests:
             if type(message) is _Unreadable:
                 raise message.error
-            if not call.dataset and type(message) is pb.UploadRequest:
-                call.dataset = message.header.dataset
+            if not call.dataset:
+                header = message.header if type(message) is pb.UploadRequest else message
+                call.dataset = getattr(header, "dataset", "")
             yield message
 
     def _too_large(self, size: int) -> str:
@@ -441,6 +447,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 while (response := await _in_thread(local, next, responses, _END)) is not _END:
                     call.rows += _rows(response)
                     yield response
+                if local.trailing_metadata:
+                    context.set_trailing_metadata(local.trailing_metadata)
             except _Abort as exc:
                 await self._abort(call, rpc, context, exc.code, exc.details)
             except DeviceLost as exc:

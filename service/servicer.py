@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -27,8 +27,9 @@ from geonear.service.batching import Batcher
 from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
+from geonear.service.pipeline import prefetched
 from geonear.service.queries import kmeans as kmeans_query
-from geonear.service.queries.common import NeighbourRows
+from geonear.service.queries.common import NeighbourGrid, NeighbourRows
 from geonear.service.queries.knn import knn_async, knn_query, knn_slices
 from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import (
@@ -39,6 +40,7 @@ from geonear.service.queries.radius import (
 )
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
+from geonear.service.timing import TIMING_KEY, StageTimes
 from geonear.service.validation import (
     check_dataset_name,
     ids_are_row_numbers,
@@ -55,6 +57,13 @@ _MODES = {
     pb.REPLACE: "replace",
     pb.APPEND: "append",
 }
+_LAYOUTS = {
+    pb.RESULT_LAYOUT_UNSPECIFIED: "rows",
+    pb.ROWS: "rows",
+    pb.PER_QUERY: "per_query",
+}
+#: Messages (about BATCH_BYTES each) made ahead of the sender: a slice or two.
+PREFETCH_MESSAGES = 8
 _DTYPES: dict[int, MatrixDtype] = {
     pb.MATRIX_DTYPE_UNSPECIFIED: "float64",
     pb.FLOAT64: "float64",
@@ -149,6 +158,19 @@ def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
     )
 
 
+def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points | None:
+    """The query points of a streamed request's later message (None at the stream's end)."""
+    if message is None:
+        return None
+    others = [field.name for field, _ in message.ListFields() if field.name != "queries"]
+    if others:
+        raise InvalidInput(
+            "after the first message, a streamed request carries only query points; "
+            f"this one also sets {', '.join(others)}"
+        )
+    return message.queries
+
+
 class GeoNearServicer(pb_grpc.GeoNearServicer):
     def __init__(
         self,
@@ -241,10 +263,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
-    def _knn_args(self, request: pb.KnnRequest) -> dict[str, Any]:
-        lat, lon = points_from_message(request.queries)
+    def _knn_args(
+        self,
+        request: pb.KnnRequest,
+        dataset: DatasetVersion | None = None,
+        points: pb.Points | None = None,
+    ) -> dict[str, Any]:
+        lat, lon = points_from_message(points or request.queries)
         return {
-            "dataset": self.store.get(request.dataset),
+            "dataset": dataset or self.store.get(request.dataset),
             "lat": lat,
             "lon": lon,
             "k": int(request.k),
@@ -255,10 +282,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             "limits": self.limits,
         }
 
-    def _radius_args(self, request: pb.RadiusRequest) -> dict[str, Any]:
-        lat, lon = points_from_message(request.queries)
+    def _radius_args(
+        self,
+        request: pb.RadiusRequest,
+        dataset: DatasetVersion | None = None,
+        points: pb.Points | None = None,
+    ) -> dict[str, Any]:
+        lat, lon = points_from_message(points or request.queries)
         return {
-            "dataset": self.store.get(request.dataset),
+            "dataset": dataset or self.store.get(request.dataset),
             "lat": lat,
             "lon": lon,
             "radius_m": float(request.radius_m),
@@ -267,33 +299,87 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         }
 
     # Knn and Radius stream answers of any size from a server thread, searched, assembled
-    # and sent a slice of queries at a time; the compact forms answer small queries on
-    # the event loop, where batching costs no thread handoff per request
-    # (docs/benchmarks.md, "Small queries"). Every answer's size is known, and checked
-    # against the limits, before the search.
+    # and sent a slice of queries at a time, the next slice made while one is sent; the
+    # compact forms answer small queries on the event loop, where batching costs no
+    # thread handoff per request (docs/benchmarks.md, "Small queries"). Every answer's
+    # size is known, and checked against the limits, before the search.
     def Knn(self, request, context):
-        with _translate(context):
-            query = knn_query(**self._knn_args(request))
-            slices = knn_slices(query, batcher=self.batcher, timeout_s=_time_left_s(context))
-            yield from self._stream(slices, context)
+        return self._answer(iter([request]), context, self._knn_answers)
 
     def Radius(self, request, context):
+        return self._answer(iter([request]), context, self._radius_answers)
+
+    def KnnStream(self, request_iterator, context):
+        return self._answer(request_iterator, context, self._knn_answers)
+
+    def RadiusStream(self, request_iterator, context):
+        return self._answer(request_iterator, context, self._radius_answers)
+
+    def _knn_answers(
+        self,
+        first: pb.KnnRequest,
+        points: pb.Points,
+        dataset: DatasetVersion,
+        offset: int,
+        context: Any,
+    ) -> tuple[int, Iterator[NeighbourGrid]]:
+        query = knn_query(**self._knn_args(first, dataset, points))
+        timeout_s = _time_left_s(context)
+        return query.n_queries, knn_slices(
+            query, batcher=self.batcher, timeout_s=timeout_s, offset=offset
+        )
+
+    def _radius_answers(
+        self,
+        first: pb.RadiusRequest,
+        points: pb.Points,
+        dataset: DatasetVersion,
+        offset: int,
+        context: Any,
+    ) -> tuple[int, Iterator[NeighbourRows]]:
+        query = radius_query(**self._radius_args(first, dataset, points))
+        timeout_s = _time_left_s(context)
+        return query.n_queries, radius_slices(
+            query, batcher=self.batcher, timeout_s=timeout_s, offset=offset
+        )
+
+    def _answer(
+        self, requests: Iterator[Any], context: Any, answers: Callable[..., Any]
+    ) -> Iterator[pb.ArrowData]:
+        """One Arrow stream answering every request message's query points in order.
+
+        The first message is the whole request; later ones (the streaming RPCs) carry
+        only more query points, answered on the first one's dataset version. Slices are
+        searched, assembled and encoded on a thread of their own, one slice ahead of the
+        sender; where the time went goes back in the ``geonear-timing`` trailer.
+        """
+        timing = StageTimes()
         with _translate(context):
-            query = radius_query(**self._radius_args(request))
-            slices = radius_slices(query, batcher=self.batcher, timeout_s=_time_left_s(context))
-            yield from self._stream(slices, context)
+            first = next(requests, None)
+            if first is None:
+                raise InvalidInput("the request stream carried no message")
+            layout = _LAYOUTS.get(first.layout)
+            if layout is None:
+                raise InvalidInput(f"unknown result layout {first.layout}")
+            dataset = self.store.get(first.dataset)
 
-    def _stream(self, slices: Iterator[NeighbourRows], context: Any) -> Iterator[pb.ArrowData]:
-        """One Arrow stream of the slices' tables; stops between slices once the caller
-        has gone."""
+            def tables() -> Iterator[pa.Table]:
+                offset, points = 0, first.queries
+                while points is not None:
+                    with timing.stage("decode"):
+                        n_queries, found = answers(first, points, dataset, offset, context)
+                    for piece in timing.timed(found, "search"):
+                        with timing.stage("assemble"):
+                            table = piece.table(self.engine.earth_radius_m, layout)
+                        yield table
+                        if not context.is_active():
+                            raise Cancelled("the call was cancelled; its search stopped")
+                    offset += n_queries
+                    points = _more_points(next(requests, None))
 
-        def tables() -> Iterator[pa.Table]:
-            for found in slices:
-                yield found.table(self.engine.earth_radius_m)
-                if not context.is_active():
-                    raise Cancelled("the call was cancelled; its search stopped")
-
-        return tables_to_messages(tables())
+            messages = timing.timed(tables_to_messages(tables()), "encode", nested=True)
+            yield from prefetched(messages, depth=PREFETCH_MESSAGES)
+        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     async def KnnCompact(self, request, context):
         async with _translate_async(context):

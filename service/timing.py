@@ -14,8 +14,11 @@ Timing costs two ``perf_counter`` calls a stage.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: The trailing-metadata key of a call's stage times.
 TIMING_KEY = "geonear-timing"
@@ -39,6 +42,24 @@ class StageTimes:
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def timed(self, items: Iterable[T], name: str, *, nested: bool = False) -> Iterator[T]:
+        """The items, the time spent making each one counted as stage ``name``; with
+        ``nested``, less what stages timed inside it counted meanwhile."""
+        iterator = iter(items)
+        while True:
+            inner = sum(self.seconds.values()) if nested else 0.0
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                elapsed = time.perf_counter() - start
+                if nested:
+                    elapsed -= sum(self.seconds.values()) - inner
+                self.add(name, elapsed)
+            yield item
 
     def header(self) -> str:
         """The trailer's value: ``name;dur=MS`` entries, comma-separated."""

@@ -98,11 +98,46 @@ def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
     return out
 
 
+#: Layouts of a streamed answer (the proto's ResultLayout), by their metadata names.
+LAYOUTS = ("rows", "per_query")
+
+
+def _metadata(dataset: DatasetVersion, earth_radius_m: float, layout: str) -> dict[str, str]:
+    return {
+        "geonear.dataset": dataset.name,
+        "geonear.version": str(dataset.version),
+        "geonear.earth_radius_m": repr(earth_radius_m),
+        "geonear.layout": layout,
+    }
+
+
+def take_columns(
+    dataset: DatasetVersion, names: Sequence[str], rows: np.ndarray
+) -> dict[str, pa.Array | pa.ChunkedArray]:
+    """Columns ``names`` at dataset ``rows``: where the index holds them, else the host
+    table; int64 ids by one NumPy gather of the id column's view."""
+    taken: dict[str, pa.Array | pa.ChunkedArray] = {}
+    ids = dataset.int_ids
+    if "id" in names and ids is not None:
+        taken["id"] = pa.array(ids[rows], type=pa.int64())
+    wanted = [name for name in names if name not in taken]
+    if wanted:
+        taken.update(dataset.index.take_columns(wanted, rows))
+    rest = [name for name in wanted if name not in taken]
+    if rest:
+        at = pa.array(rows, type=pa.int64())
+        for name in rest:
+            taken[name] = dataset.table.column(name).take(at)
+    return taken
+
+
 @dataclass(frozen=True)
 class NeighbourRows:
     """Neighbour result rows in query order, nearest first per query.
 
     ``rows`` are dataset row numbers; ``table()`` adds ids and attribute columns.
+    ``offsets``, where known (radius), start each query's rows: query q's are
+    ``offsets[q]:offsets[q + 1]``.
     """
 
     dataset: DatasetVersion
@@ -111,40 +146,98 @@ class NeighbourRows:
     rows: np.ndarray  # int64
     distances_m: np.ndarray  # float64
     columns: tuple[str, ...] = ()
+    offsets: np.ndarray | None = None
 
     @property
     def count(self) -> int:
         return int(self.rows.shape[0])
 
     def ids(self) -> pa.Array | pa.ChunkedArray:
-        return self._take(("id",))["id"]
+        return take_columns(self.dataset, ("id",), self.rows)["id"]
 
-    def table(self, earth_radius_m: float) -> pa.Table:
-        """Result rows: query_index, rank, id, distance_m, then the requested attributes."""
-        taken = self._take(("id", *self.columns))
-        data = {
-            "query_index": pa.array(self.query_index, type=pa.int64()),
-            "rank": pa.array(self.rank, type=pa.int32()),
-            "id": taken["id"],
-            "distance_m": pa.array(self.distances_m, type=pa.float64()),
-        }
+    def table(self, earth_radius_m: float, layout: str = "rows") -> pa.Table:
+        """The rows in ``layout``: "rows" gives query_index, rank, id, distance_m, then
+        the requested attributes; "per_query" (needs ``offsets``) one list of each a query."""
+        taken = take_columns(self.dataset, ("id", *self.columns), self.rows)
+        distances = pa.array(self.distances_m, type=pa.float64())
+        if layout == "per_query":
+            if self.offsets is None:
+                raise ValueError("a per-query table needs the queries' offsets")
+            offsets = pa.array(self.offsets, type=pa.int32())
+            data = {
+                "id": pa.ListArray.from_arrays(offsets, _one_chunk(taken["id"])),
+                "distance_m": pa.ListArray.from_arrays(offsets, distances),
+            }
+            for name in self.columns:
+                data[name] = pa.ListArray.from_arrays(offsets, _one_chunk(taken[name]))
+        else:
+            data = {
+                "query_index": pa.array(self.query_index, type=pa.int64()),
+                "rank": pa.array(self.rank, type=pa.int32()),
+                "id": taken["id"],
+                "distance_m": distances,
+            }
+            for name in self.columns:
+                data[name] = taken[name]
+        return pa.table(data).replace_schema_metadata(
+            _metadata(self.dataset, earth_radius_m, layout)
+        )
+
+
+@dataclass(frozen=True)
+class NeighbourGrid:
+    """KNN neighbours of a slice of queries as the engine gives them: (n, k') row numbers
+    (-1 where a query has fewer) and distances, query ``first_query + i`` in row i."""
+
+    dataset: DatasetVersion
+    indices: np.ndarray  # int64 (n, k')
+    distances_m: np.ndarray  # float64 (n, k')
+    first_query: int = 0
+    columns: tuple[str, ...] = ()
+
+    def neighbour_rows(self) -> NeighbourRows:
+        valid = self.indices >= 0
+        query_index, rank = np.nonzero(valid)
+        if self.first_query:
+            query_index += self.first_query
+        return NeighbourRows(
+            self.dataset,
+            query_index.astype(np.int64, copy=False),
+            rank.astype(np.int32),
+            self.indices[valid],
+            self.distances_m[valid],
+            self.columns,
+        )
+
+    def table(self, earth_radius_m: float, layout: str = "rows") -> pa.Table:
+        """As ``NeighbourRows.table``; "per_query" gives fixed-size lists of k', null
+        where a query has fewer neighbours, without materialising query_index or rank."""
+        if layout != "per_query":
+            return self.neighbour_rows().table(earth_radius_m, layout)
+        width = self.indices.shape[1]
+        missing = self.indices < 0
+        if missing.any():
+            mask = missing.ravel()
+            rows = np.where(missing, 0, self.indices).ravel()
+        else:
+            mask, rows = None, self.indices.ravel()
+        taken = take_columns(self.dataset, ("id", *self.columns), rows)
+        data = {"id": taken["id"], "distance_m": pa.array(self.distances_m.ravel(), mask=mask)}
         for name in self.columns:
             data[name] = taken[name]
-        metadata = {
-            "geonear.dataset": self.dataset.name,
-            "geonear.version": str(self.dataset.version),
-            "geonear.earth_radius_m": repr(earth_radius_m),
-        }
-        return pa.table(data).replace_schema_metadata(metadata)
-
-    def _take(self, names: tuple[str, ...]) -> dict[str, pa.Array | pa.ChunkedArray]:
-        """Columns ``names`` at the result rows: where the index holds them, else the host."""
-        taken: dict[str, pa.Array | pa.ChunkedArray] = dict(
-            self.dataset.index.take_columns(names, self.rows)
+        valid = None if mask is None else pa.array(~mask)
+        lists = {}
+        for name, values in data.items():
+            values = _one_chunk(values)
+            if valid is not None and name != "distance_m":
+                values = pa.compute.if_else(valid, values, pa.scalar(None, values.type))
+            lists[name] = pa.FixedSizeListArray.from_arrays(values, width)
+        return pa.table(lists).replace_schema_metadata(
+            _metadata(self.dataset, earth_radius_m, layout)
         )
-        rest = [name for name in names if name not in taken]
-        if rest:
-            rows = pa.array(self.rows, type=pa.int64())
-            for name in rest:
-                taken[name] = self.dataset.table.column(name).take(rows)
-        return taken
+
+
+def _one_chunk(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    return values

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from geonear.service.batching import Batcher
 from geonear.service.engines import Neighbours
 from geonear.service.errors import InvalidInput, LimitExceeded
 from geonear.service.queries.common import (
+    NeighbourGrid,
     NeighbourRows,
     batchable,
     check_columns,
@@ -87,7 +89,7 @@ def knn(
     With a ``batcher``, the engine call may be shared with concurrent requests; a
     request still queued after ``timeout_s`` is refused with DEADLINE_EXCEEDED.
     """
-    return _search(query, 0, query.n_queries, batcher, timeout_s)
+    return _search(query, 0, query.n_queries, batcher, timeout_s).neighbour_rows()
 
 
 async def knn_async(
@@ -102,40 +104,34 @@ async def knn_async(
         found = await shared.knn_async(
             q.dataset.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s
         )
-    return _rows(q, found, 0)
+    return _grid(q, found, 0).neighbour_rows()
 
 
 def knn_slices(
-    query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
-) -> Iterator[NeighbourRows]:
+    query: KnnQuery,
+    *,
+    batcher: Batcher | None = None,
+    timeout_s: float | None = None,
+    offset: int = 0,
+) -> Iterator[NeighbourGrid]:
     """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched as
-    it is asked for; query_index counts from the call's first query."""
+    it is asked for; query_index counts from ``offset`` (the call's earlier queries)."""
     for start, stop in fixed_slices(query.n_queries, query.rows_per_query):
-        yield _search(query, start, stop, batcher, timeout_s)
+        found = _search(query, start, stop, batcher, timeout_s)
+        yield dataclasses.replace(found, first_query=found.first_query + offset)
 
 
 def _search(
     q: KnnQuery, start: int, stop: int, batcher: Batcher | None, timeout_s: float | None
-) -> NeighbourRows:
+) -> NeighbourGrid:
     lat, lon = q.lat[start:stop], q.lon[start:stop]
     shared = batchable(batcher, stop - start, (stop - start) * q.rows_per_query)
     if shared is None:
         found = q.dataset.index.knn(lat, lon, q.k, q.max_distance_m)
     else:
         found = shared.knn(q.dataset.index, lat, lon, q.k, q.max_distance_m, timeout_s)
-    return _rows(q, found, start)
+    return _grid(q, found, start)
 
 
-def _rows(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourRows:
-    valid = found.indices >= 0
-    query_index, rank = np.nonzero(valid)
-    if first_query:
-        query_index += first_query
-    return NeighbourRows(
-        q.dataset,
-        query_index.astype(np.int64, copy=False),
-        rank.astype(np.int32),
-        found.indices[valid],
-        found.distances_m[valid],
-        q.columns,
-    )
+def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:
+    return NeighbourGrid(q.dataset, found.indices, found.distances_m, first_query, q.columns)

@@ -9,6 +9,7 @@ queries at a time, cut by those counts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -109,12 +110,20 @@ async def radius_async(
 
 
 def radius_slices(
-    query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
+    query: RadiusQuery,
+    *,
+    batcher: Batcher | None = None,
+    timeout_s: float | None = None,
+    offset: int = 0,
 ) -> Iterator[NeighbourRows]:
     """The answer a slice of queries at a time (about ``SLICE_ROWS`` rows each, by the
-    counts), searched as it is asked for; query_index counts from the call's first query."""
+    counts), searched as it is asked for; query_index counts from ``offset`` (the call's
+    earlier queries)."""
     for start, stop in counted_slices(query.counts):
-        yield _search(query, start, stop, batcher, timeout_s)
+        found = _search(query, start, stop, batcher, timeout_s)
+        if offset:
+            found = dataclasses.replace(found, query_index=found.query_index + offset)
+        yield found
 
 
 def _check(
@@ -167,5 +176,11 @@ def _rows(q: RadiusQuery, found: RadiusNeighbours, first_query: int) -> Neighbou
     if first_query:
         query_index += first_query
     return NeighbourRows(
-        q.dataset, query_index, rank.astype(np.int32), found.indices, found.distances_m, q.columns
+        q.dataset,
+        query_index,
+        rank.astype(np.int32),
+        found.indices,
+        found.distances_m,
+        q.columns,
+        offsets=found.offsets,
     )

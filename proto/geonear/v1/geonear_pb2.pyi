@@ -14,6 +14,12 @@ class UploadMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLACE: _ClassVar[UploadMode]
     APPEND: _ClassVar[UploadMode]
 
+class ResultLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESULT_LAYOUT_UNSPECIFIED: _ClassVar[ResultLayout]
+    ROWS: _ClassVar[ResultLayout]
+    PER_QUERY: _ClassVar[ResultLayout]
+
 class MatrixDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MATRIX_DTYPE_UNSPECIFIED: _ClassVar[MatrixDtype]
@@ -23,6 +29,9 @@ UPLOAD_MODE_UNSPECIFIED: UploadMode
 CREATE: UploadMode
 REPLACE: UploadMode
 APPEND: UploadMode
+RESULT_LAYOUT_UNSPECIFIED: ResultLayout
+ROWS: ResultLayout
+PER_QUERY: ResultLayout
 MATRIX_DTYPE_UNSPECIFIED: MatrixDtype
 FLOAT64: MatrixDtype
 FLOAT32: MatrixDtype
@@ -172,30 +181,34 @@ class DatasetInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., bounding_box: _Optional[_Union[BoundingBox, _Mapping]] = ..., engine: _Optional[str] = ..., id_type: _Optional[str] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
 class KnnRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns")
+    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns", "layout")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MAX_DISTANCE_M_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     k: int
     max_distance_m: float
     columns: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout: ResultLayout
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
 
 class RadiusRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "radius_m", "columns")
+    __slots__ = ("dataset", "queries", "radius_m", "columns", "layout")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     radius_m: float
     columns: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout: ResultLayout
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
 
 class CompactNeighbours(_message.Message):
     __slots__ = ("query_index", "rank", "int_ids", "string_ids", "distance_m", "earth_radius_m", "dataset_version")

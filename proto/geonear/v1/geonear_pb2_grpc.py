@@ -69,6 +69,16 @@ class GeoNearStub:
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
                 response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.KnnStream = channel.stream_stream(
+                '/geonear.v1.GeoNear/KnnStream',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.KnnRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
+        self.RadiusStream = channel.stream_stream(
+                '/geonear.v1.GeoNear/RadiusStream',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
         self.KnnCompact = channel.unary_unary(
                 '/geonear.v1.GeoNear/KnnCompact',
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.KnnRequest.SerializeToString,
@@ -138,9 +148,11 @@ class GeoNearServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Knn(self, request, context):
-        """k nearest neighbours of each query point, nearest first. Streams one Arrow table
-        with columns query_index (int64), rank (int32, 0 = nearest), id, distance_m
-        (float64), then the requested attribute columns.
+        """k nearest neighbours of each query point, nearest first. Streams one Arrow table in
+        the request's layout (ResultLayout): by default one row per neighbour with columns
+        query_index (int64), rank (int32, 0 = nearest), id, distance_m (float64), then the
+        requested attribute columns. Large answers are searched, encoded and sent a slice of
+        queries at a time, each slice searched while the one before it is being sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,7 +160,27 @@ class GeoNearServicer:
 
     def Radius(self, request, context):
         """All dataset points within radius_m of each query point, nearest first per query.
-        Same result columns as Knn.
+        Same result columns and layouts as Knn.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KnnStream(self, request_iterator, context):
+        """Knn of a query set sent as a stream, for sets too large for one message or that a
+        client wants answered while it is still sending: the first message is the whole
+        request (dataset, k, max_distance_m, columns, layout) with the first query points;
+        every later message carries only more query points (its other fields unset). The
+        answer is one Arrow stream, as Knn's, in query order across the whole stream
+        (query_index counts from the first message's first point); each message's points
+        are searched as soon as they arrive, while the answers before them are being sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RadiusStream(self, request_iterator, context):
+        """Radius of a query set sent as a stream, like KnnStream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +262,16 @@ def add_GeoNearServicer_to_server(servicer, server):
             ),
             'Radius': grpc.unary_stream_rpc_method_handler(
                     servicer.Radius,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'KnnStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.KnnStream,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.KnnRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'RadiusStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RadiusStream,
                     request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusRequest.FromString,
                     response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
             ),
@@ -446,6 +488,60 @@ class GeoNear:
             request,
             target,
             '/geonear.v1.GeoNear/Radius',
+            geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KnnStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/geonear.v1.GeoNear/KnnStream',
+            geonear_dot_v1_dot_geonear__pb2.KnnRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RadiusStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/geonear.v1.GeoNear/RadiusStream',
             geonear_dot_v1_dot_geonear__pb2.RadiusRequest.SerializeToString,
             geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
             options,

@@ -1,0 +1,193 @@
+"""The bulk path: layouts of a streamed answer, query sets sent as a stream, stage times.
+
+A real server on port 0; answers compared with the rows layout and with the numpy-brute
+reference engine on the same points.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from geonear._wire import messages_to_table, points_to_message
+from geonear.clients import client as client_module
+from geonear.clients.client import Client
+from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service.engines import create_engine
+from geonear.service.timing import TIMING_KEY, parse_timing
+from geonear.v1 import geonear_pb2 as pb
+from geonear.v1 import geonear_pb2_grpc as pb_grpc
+
+
+def _flat(column: pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks().flatten()
+
+
+@pytest.fixture
+def points_client(server_factory, monkeypatch):
+    """A server holding 1,500 clustered points with int ids and a string attribute; the
+    client sends 700 query points a message, so that modest query sets stream up."""
+    monkeypatch.setattr(client_module, "QUERY_CHUNK", 700)
+    server = server_factory()
+    lat, lon = clustered_points(1500, seed=3, n_clusters=12, spread_m=50_000.0)
+    table = pa.table(
+        {
+            "id": np.arange(1500, dtype=np.int64) * 7,
+            "lat": lat,
+            "lon": lon,
+            "name": [f"p{i}" for i in range(1500)],
+        }
+    )
+    with Client(server.target, timeout_s=60) as client:
+        client.upload("pts", table)
+        yield client, lat, lon
+
+
+def test_per_query_knn_holds_the_rows_layouts_neighbours(points_client):
+    client, lat, lon = points_client
+    q_lat, q_lon = uniform_points(2000, seed=5)
+    rows = client.knn("pts", q_lat, q_lon, 7, columns="name", as_arrow=True)
+    wide = client.knn("pts", q_lat, q_lon, 7, columns="name", layout="per_query", as_arrow=True)
+    assert wide.schema.field("id").type == pa.list_(pa.int64(), 7)
+    assert wide.schema.metadata[b"geonear.layout"] == b"per_query"
+    assert wide.num_rows == 2000
+    assert _flat(wide.column("id")).equals(rows.column("id").combine_chunks())
+    assert _flat(wide.column("name")).equals(rows.column("name").combine_chunks())
+    np.testing.assert_array_equal(
+        _flat(wide.column("distance_m")).to_numpy(), rows.column("distance_m").to_numpy()
+    )
+    reference = create_engine("numpy-brute").build_index(lat, lon).knn(q_lat, q_lon, 7)
+    np.testing.assert_array_equal(
+        _flat(wide.column("id")).to_numpy().reshape(2000, 7), reference.indices * 7
+    )
+
+
+def test_per_query_knn_with_a_distance_bound_has_nulls_where_a_query_has_fewer(points_client):
+    client, lat, lon = points_client
+    q_lat, q_lon = lat[:50] + 0.01, lon[:50]
+    bound = 5_000.0
+    rows = client.knn("pts", q_lat, q_lon, 20, max_distance_m=bound, columns="name", as_arrow=True)
+    wide = client.knn(
+        "pts",
+        q_lat,
+        q_lon,
+        20,
+        max_distance_m=bound,
+        layout="per_query",
+        columns=["name"],
+        as_arrow=True,
+    )
+    counts = np.bincount(rows.column("query_index").to_numpy(), minlength=50)
+    assert counts.min() < 20, "the bound should leave some query fewer than k neighbours"
+    for name in ("id", "distance_m", "name"):
+        values = _flat(wide.column(name))
+        present = values.is_valid().to_numpy(zero_copy_only=False).reshape(50, 20)
+        # A query's neighbours come first; its missing entries are null, at the end.
+        np.testing.assert_array_equal(present.sum(axis=1), counts)
+        np.testing.assert_array_equal(present, np.arange(20) < counts[:, None])
+        assert values.drop_null().equals(rows.column(name).combine_chunks())
+
+
+def test_per_query_radius_lists_each_querys_points_in_order(points_client):
+    client, _, _ = points_client
+    q_lat, q_lon = uniform_points(1600, seed=9)
+    rows = client.radius("pts", q_lat, q_lon, 300_000.0, columns="name", as_arrow=True)
+    wide = client.radius(
+        "pts", q_lat, q_lon, 300_000.0, columns="name", layout="per_query", as_arrow=True
+    )
+    assert wide.num_rows == 1600
+    assert pa.types.is_list(wide.schema.field("id").type)
+    lengths = pa.compute.list_value_length(wide.column("id")).to_numpy()
+    np.testing.assert_array_equal(
+        lengths, np.bincount(rows.column("query_index").to_numpy(), minlength=1600)
+    )
+    assert _flat(wide.column("id")).equals(rows.column("id").combine_chunks())
+    assert _flat(wide.column("name")).equals(rows.column("name").combine_chunks())
+
+
+def test_a_query_set_of_several_messages_streams_up_and_answers_in_query_order(points_client):
+    client, lat, lon = points_client
+    q_lat, q_lon = uniform_points(2500, seed=13)  # four messages of at most 700 points
+    found = client.knn("pts", q_lat, q_lon, 5, as_arrow=True)
+    np.testing.assert_array_equal(
+        found.column("query_index").to_numpy(), np.repeat(np.arange(2500), 5)
+    )
+    reference = create_engine("numpy-brute").build_index(lat, lon).knn(q_lat, q_lon, 5)
+    np.testing.assert_array_equal(
+        found.column("id").to_numpy().reshape(2500, 5), reference.indices * 7
+    )
+    near = client.radius("pts", q_lat, q_lon, 100_000.0, as_arrow=True)
+    expected = create_engine("numpy-brute").build_index(lat, lon).radius(q_lat, q_lon, 100_000.0)
+    np.testing.assert_array_equal(near.column("query_index").to_numpy(), expected.query_index)
+    np.testing.assert_array_equal(near.column("id").to_numpy(), expected.indices * 7)
+
+
+def _request_stream(*messages):
+    return iter(messages)
+
+
+def test_later_messages_of_a_stream_carry_only_points(server_factory):
+    server = server_factory()
+    lat, lon = uniform_points(100, seed=1)
+    with Client(server.target) as client:
+        client.upload("few", pa.table({"lat": lat, "lon": lon}))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GeoNearStub(channel)
+        first = pb.KnnRequest(dataset="few", k=2, queries=points_to_message(lat[:3], lon[:3]))
+        later = pb.KnnRequest(dataset="few", k=9, queries=points_to_message(lat[:3], lon[:3]))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.KnnStream(_request_stream(first, later)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "only query points" in refused.value.details()
+        assert "dataset, k" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as empty:
+            list(stub.RadiusStream(_request_stream()))
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_streamed_answer_says_where_its_time_went(server_factory):
+    server = server_factory()
+    lat, lon = uniform_points(500, seed=2)
+    with Client(server.target) as client:
+        client.upload("timed", pa.table({"lat": lat, "lon": lon}))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GeoNearStub(channel)
+        q_lat, q_lon = uniform_points(20_000, seed=3)
+        call = stub.Knn(
+            pb.KnnRequest(dataset="timed", k=10, queries=points_to_message(q_lat, q_lon))
+        )
+        table = messages_to_table(call)
+        stages = parse_timing(dict(call.trailing_metadata())[TIMING_KEY])
+    assert table.num_rows == 200_000
+    assert set(stages) == {"decode", "search", "assemble", "encode"}
+    assert all(seconds >= 0 for seconds in stages.values())
+    assert stages["search"] > 0
+
+
+def test_an_unknown_layout_is_refused(points_client):
+    client, _, _ = points_client
+    with pytest.raises(ValueError, match="layout must be one of"):
+        client.knn("pts", 0.0, 0.0, 3, layout="wide")
+
+
+def test_bench_served_runs_the_engine_in_process_and_through_a_server(tmp_path):
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "geonear", "bench", "--served", "--engines", "cpu"),
+            *("--n", "2000", "--queries", "3000", "-k", "5", "--repeat", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "in-process" in done.stdout and "served" in done.stdout
+    for stage in ("search", "encode", "receive", "decode Arrow", "to_pandas"):
+        assert stage in done.stdout
+    assert "--served" in done.stdout
