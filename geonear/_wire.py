@@ -40,8 +40,8 @@ class WireError(ValueError):
 # -- checks of a record batch's metadata, before its body is read -----------------------
 #: Codecs of Arrow's BodyCompression (format/Message.fbs: CompressionType).
 _CODECS = {0: "lz4_frame", 1: "zstd"}
-#: Every column geonear reads or writes takes at least a byte a row (lat, lon, ids,
-#: query_index are numbers), so a batch claiming more rows than that is forged.
+#: Every batch geonear reads has a numeric column (lat, lon, ids, query_index), at least
+#: a byte a row, so a batch declaring more rows than its body holds at that rate is forged.
 _MIN_ROW_BITS = 8
 
 
