@@ -219,7 +219,7 @@ class BatchDecoder:
             if self.schema is not None:
                 raise WireError("a stream may carry its Arrow schema only once")
             try:
-                self.schema = pa.ipc.read_schema(pa.py_buffer(data.schema))
+                self.schema = _named_in_utf8(pa.ipc.read_schema(pa.py_buffer(data.schema)))
             except (pa.ArrowException, ValueError, OSError) as exc:
                 raise WireError(f"invalid Arrow schema bytes: {exc}") from exc
             encoded = [f.name for f in self.schema if pa.types.is_dictionary(f.type)]
@@ -281,6 +281,18 @@ def ipc_stream_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def _named_in_utf8(schema: pa.Schema) -> pa.Schema:
+    """The schema, once every field name (nested ones too) has been read as UTF-8: Arrow
+    says names are UTF-8, but bytes off the wire may not be (UnicodeDecodeError is a
+    ValueError, so the callers answer it as invalid bytes)."""
+    fields = list(schema)
+    while fields:
+        field = fields.pop()
+        _ = field.name
+        fields.extend(field.type.field(i) for i in range(field.type.num_fields))
+    return schema
+
+
 def read_ipc_stream(data: bytes) -> pa.Table:
     """The table of an Arrow IPC stream: its schema, then record batches, each checked
     before it is read (``read_batch_message``); raises WireError."""
@@ -289,7 +301,7 @@ def read_ipc_stream(data: bytes) -> pa.Table:
         first = reader.read_next_message()
         if first.type != "schema":  # pyarrow reads any message as a schema, even crashing
             raise WireError(f"invalid Arrow IPC stream: it starts with a {first.type} message")
-        schema = pa.ipc.read_schema(first)
+        schema = _named_in_utf8(pa.ipc.read_schema(first))
         messages = list(reader)
     except StopIteration:
         raise WireError("invalid Arrow IPC stream: it holds no schema") from None

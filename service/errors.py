@@ -43,3 +43,18 @@ class Cancelled(ServiceError):
     """The caller went away or its deadline passed while work was running."""
 
     status = "CANCELLED"
+
+
+#: Most bytes of a status message as UTF-8. gRPC sends the message in a trailer,
+#: percent-encoding every byte outside ASCII, and clients drop a call whose headers pass
+#: 8 KiB (at random) or 16 KiB: a message quoting a long user string must be cut.
+MAX_STATUS_MESSAGE_BYTES = 1500
+
+
+def status_message(text: str) -> str:
+    """``text`` as a status message: cut, and marked so, beyond MAX_STATUS_MESSAGE_BYTES."""
+    encoded = text.encode("utf-8", errors="replace")
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return text
+    kept = encoded[: MAX_STATUS_MESSAGE_BYTES - 40].decode("utf-8", errors="ignore")
+    return f"{kept} ... (message cut at {len(kept)} of {len(text)} characters)"

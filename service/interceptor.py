@@ -61,6 +61,7 @@ from geonear.service.errors import (
     InvalidInput,
     LimitExceeded,
     ServiceError,
+    status_message,
 )
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
@@ -371,7 +372,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         refusal = self._refusal(call, rpc, request, denial, streaming)
         if refusal is not None:
             self._finish(call, rpc, context, refusal[0])
-            await context.abort(*refusal)
+            await context.abort(refusal[0], status_message(refusal[1]))
         if streaming:
             loop = asyncio.get_running_loop()
             requests = _blocking_iterator(request, loop, self.upload_idle_timeout_s)
@@ -490,7 +491,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         ``abort`` sends the status at once, so the call is counted first: a client that
         has seen the status finds the call in the metrics and the log."""
         self._end(call, rpc, context, code)
-        await context.abort(code, details)
+        await context.abort(code, status_message(details))
 
     def _device_lost(self, exc: DeviceLost) -> str:
         """The UNAVAILABLE message; the lifecycle stops the server so that it is restarted."""

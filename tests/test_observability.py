@@ -108,8 +108,10 @@ def test_one_log_line_per_request(tmp_path, caplog) -> None:
     finally:
         parts.stop(None)
     lines = [r.getMessage() for r in caplog.records if r.name == "geonear.requests"]
-    assert len(lines) == 3
-    upload, knn, info = lines
+    # The client looks up the names there are to suggest one after a NOT_FOUND.
+    assert len(lines) == 4
+    upload, knn, info, names = lines
+    assert names.startswith("rpc=ListDatasets ")
     assert upload.startswith("rpc=Upload dataset=pts rows=100 duration_ms=")
     assert upload.split(" status=")[1].startswith("OK")
     assert knn.startswith("rpc=KnnCompact dataset=pts rows=3 ")

@@ -55,6 +55,8 @@ def test_installed_stubs_are_the_committed_ones() -> None:
         "DropDataset",
         "Knn",
         "Radius",
+        "KnnStream",
+        "RadiusStream",
         "KnnCompact",
         "RadiusCompact",
         "DistanceMatrix",
