@@ -58,6 +58,7 @@ class ServedResult:
     in_process_s: float | None = None
     served_s: float | None = None
     served_pandas_s: float | None = None
+    served_per_query_s: float | None = None
     result_rows: int = 0
     result_bytes: int = 0
     server_stages: dict[str, float] = field(default_factory=dict)
@@ -143,6 +144,10 @@ def bench_served_engine(config: BenchConfig, data: BenchData, engine: str) -> Se
             config.repeat, lambda: _query(client, config, data, as_arrow=True)
         )
         row.served_pandas_s, _ = _best(config.repeat, lambda: _query(client, config, data))
+        row.served_per_query_s, _ = _best(
+            config.repeat,
+            lambda: _query(client, config, data, as_arrow=True, layout="per_query"),
+        )
         stub = pb_grpc.GeoNearStub(client._channel)
         _, (row.server_stages, row.client_stages) = _best(
             config.repeat, lambda: _staged_call(stub, config, data)
@@ -173,7 +178,8 @@ def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> float:
 def _staged_call(
     stub: pb_grpc.GeoNearStub, config: BenchConfig, data: BenchData
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """One call of the whole query set on a plain stub: the server's stages, the client's."""
+    """One Knn/Radius call of the whole query set on a plain stub (rows layout): the
+    server's stages, then the client's."""
     client: dict[str, float] = {}
     start = time.perf_counter()
     points = points_to_message(data.q_lat, data.q_lon)
@@ -223,11 +229,12 @@ def print_served(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     totals = Table(title=f"{doc['data']}: in-process vs served", title_justify="left")
-    for name in ("engine", "in-process ms", "served ms", "x", "+ pandas ms", "rows", "MB"):
+    names = ("engine", "in-process ms", "served ms", "x", "+ pandas ms", "per-query ms", "rows", "MB")
+    for name in names:
         totals.add_column(name, justify="left" if name == "engine" else "right")
     for r in doc["results"]:
         if r.status != "ok":
-            totals.add_row(r.engine, r.status, "", "", "", "", "")
+            totals.add_row(r.engine, r.status, *[""] * (len(names) - 2))
             console.print(f"{r.engine}: {r.reason}")
             continue
         totals.add_row(
@@ -236,6 +243,7 @@ def print_served(doc: dict[str, Any], console: Any) -> None:
             f"{r.served_s * 1e3:.1f}",
             f"{r.overhead:.2f}",
             f"{r.served_pandas_s * 1e3:.1f}",
+            f"{r.served_per_query_s * 1e3:.1f}",
             f"{r.result_rows:,}",
             f"{r.result_bytes / 1e6:.1f}",
         )

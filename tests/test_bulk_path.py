@@ -18,7 +18,7 @@ from geonear._wire import messages_to_table, points_to_message
 from geonear.clients import client as client_module
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import clustered_points, uniform_points
-from geonear.service.engines import create_engine
+from geonear.service.engines import create_engine, gpu_available
 from geonear.service.timing import TIMING_KEY, parse_timing
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
@@ -191,3 +191,34 @@ def test_bench_served_runs_the_engine_in_process_and_through_a_server(tmp_path):
     for stage in ("search", "encode", "receive", "decode Arrow", "to_pandas"):
         assert stage in done.stdout
     assert "--served" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available()[0], reason=f"no usable GPU: {gpu_available()[1]}")
+def test_the_gpu_engine_answers_streamed_per_query_calls_as_the_reference(
+    server_factory, monkeypatch
+):
+    monkeypatch.setattr(client_module, "QUERY_CHUNK", 5000)
+    server = server_factory(data_dir=None, backend="gpu")
+    lat, lon = clustered_points(20_000, seed=4, n_clusters=30, spread_m=30_000.0)
+    q_lat, q_lon = uniform_points(12_000, seed=6)
+    reference = create_engine("numpy-brute").build_index(lat, lon)
+    with Client(server.target, timeout_s=120) as client:
+        client.upload("pts", pa.table({"id": np.arange(20_000) * 3, "lat": lat, "lon": lon}))
+        wide = client.knn("pts", q_lat, q_lon, 8, layout="per_query", as_arrow=True)
+        near = client.radius("pts", q_lat, q_lon, 50_000.0, layout="per_query", as_arrow=True)
+    expected = reference.knn(q_lat, q_lon, 8)
+    np.testing.assert_array_equal(
+        _flat(wide.column("id")).to_numpy().reshape(12_000, 8), expected.indices * 3
+    )
+    np.testing.assert_allclose(
+        _flat(wide.column("distance_m")).to_numpy().reshape(12_000, 8),
+        expected.distances_m,
+        rtol=0,
+        atol=1e-3,
+    )
+    found = reference.radius(q_lat, q_lon, 50_000.0)
+    np.testing.assert_array_equal(
+        pa.compute.list_value_length(near.column("id")).to_numpy(), np.diff(found.offsets)
+    )
+    np.testing.assert_array_equal(_flat(near.column("id")).to_numpy(), found.indices * 3)
