@@ -236,28 +236,58 @@ def title(doc: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+#: Terminals narrower than this get the compact table (the full one is about 150 wide).
+FULL_TABLE_WIDTH = 150
+#: Columns of the compact table: the full table's, without the warm median, the
+#: exactness details (the "exact" column still says yes or NO) and the notes, which are
+#: printed under the table, one line an engine.
+_COMPACT_DROP = ("warm med s", "note")
+
+
 def print_table(doc: dict[str, Any], console: Any) -> None:
-    """The results as a rich table, inexact engines in red, then the notes."""
+    """The results as a rich table, inexact engines in red, then the notes.
+
+    A console narrower than FULL_TABLE_WIDTH gets a compact table that fits in 100
+    columns; each engine's notes and the exactness details then follow the table.
+    """
     from rich.table import Table
     from rich.text import Text
 
+    compact = console.width < FULL_TABLE_WIDTH
     table = Table(title=title(doc), title_justify="left")
     headings = _headings(doc)
-    for i, heading in enumerate(headings):
-        last = i == len(headings) - 1
+    details = {c[0] for c in _EXACTNESS_COLUMNS[doc["config"]["op"]]}
+    keep = [
+        i
+        for i, h in enumerate(headings)
+        if not compact or (h not in _COMPACT_DROP and h not in details)
+    ]
+    for n, i in enumerate(keep):
+        last = n == len(keep) - 1 and not compact
         table.add_column(
-            heading,
-            justify="left" if i == 0 or last else "right",
+            headings[i],
+            justify="left" if n == 0 or last else "right",
             no_wrap=not last,
             overflow="fold",
         )
+    below = []
     for row in doc["results"]:
         style = "red" if row["exact"] is False else ("dim" if row["status"] != "ok" else None)
+        cells = _cells(doc, row)
+        if compact and row["status"] != "ok":
+            kept = [row["engine"], *[""] * (len(keep) - 1)]
+            below.append(f"{row['engine']}: {cells[-1]}")
+        else:
+            kept = [cells[i] for i in keep]
+            if compact:
+                checks = [f"{h} {cells[i]}" for i, h in enumerate(headings) if h in details]
+                note = "; ".join([*row["notes"], ", ".join(c for c in checks if c.strip())])
+                below.append(f"{row['engine']}: {note}")
         # Text, not markup: reasons hold brackets such as "geonear[gpu]".
-        table.add_row(*(Text(cell) for cell in _cells(doc, row)), style=style)
+        table.add_row(*(Text(cell) for cell in kept), style=style)
     console.print(table)
-    for note in _notes(doc):
-        console.print(f"  {note}", highlight=False, markup=False)
+    for line in [*below, *_notes(doc)]:
+        console.print(f"  {line}", highlight=False, markup=False)
 
 
 def _machine_line(doc: dict[str, Any]) -> str:

@@ -265,3 +265,24 @@ def test_importing_bench_does_not_import_cupy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_a_100_column_terminal_gets_a_table_that_fits_with_the_details_below() -> None:
+    import io
+
+    from rich.console import Console
+
+    from geonear.clients import bench_report
+
+    doc = run_benchmark(
+        BenchConfig(op="knn", n=500, queries=50, engines=("cpu", "sklearn", "numpy-brute"))
+    )
+    out = io.StringIO()
+    bench_report.print_table(doc, Console(file=out, width=100, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    for engine in ("cpu", "sklearn", "numpy-brute"):
+        assert any(line.strip().startswith(f"{engine}: recall 1.0000") for line in lines)
+    wide = io.StringIO()
+    bench_report.print_table(doc, Console(file=wide, width=200, color_system=None))
+    assert "warm med s" in wide.getvalue() and "warm med s" not in out.getvalue()
