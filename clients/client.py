@@ -31,6 +31,7 @@ from geonear._wire import (
 )
 from geonear.clients.cli_options import DEFAULT_TARGET
 from geonear.clients.errors import GeoNearError, ResourceExhausted, from_rpc_error
+from geonear.clients.filters import filter_message
 from geonear.clients.models import DatasetInfo, DeleteResult, ServerInfo
 from geonear.clients.query_points import Queries, attach_queries, queries
 from geonear.v1 import geonear_pb2 as pb
@@ -462,6 +463,7 @@ class Client:
         k: int = 10,
         *,
         max_distance_m: float | None = None,
+        where: Any = None,
         columns: str | Sequence[str] | None = None,
         query_columns: str | Sequence[str] | bool | None = None,
         layout: str = "rows",
@@ -480,6 +482,12 @@ class Client:
             Neighbours per query; more than the dataset holds returns every point.
         max_distance_m : float, optional
             Leave out neighbours farther than this, metres.
+        where : list of tuples, or list of lists of tuples, optional
+            Search only the points this attribute filter selects, in pyarrow's
+            ``filters=`` form: ``[("country", "==", "FR"), ("pop", ">=", 10_000)]``
+            (ANDed), or a list of such lists (ORed); ops ``==``, ``!=``, ``<``, ``<=``,
+            ``>``, ``>=``, ``in``, ``not in``. Exact: the k nearest among the points
+            selected, not a filter of the k nearest. A null never matches.
         columns : str or sequence of str
             Dataset attribute columns to add; a string is one column name.
         query_columns : str, sequence of str or True, optional
@@ -507,7 +515,7 @@ class Client:
         """
         found = queries(lat, lon, "knn queries")
         wanted = _column_list(columns)
-
+        wire_filter = filter_message(where)
         wire_layout = _layout(layout)
 
         def request(points: pb.Points) -> pb.KnnRequest:
@@ -518,6 +526,7 @@ class Client:
                 max_distance_m=max_distance_m,
                 columns=wanted,
                 layout=wire_layout,
+                where=wire_filter,
             )
 
         compact = not wanted and layout == "rows" and len(found) * k <= COMPACT_ROWS
@@ -531,6 +540,7 @@ class Client:
         lon: Any = None,
         radius_m: float | None = None,
         *,
+        where: Any = None,
         columns: str | Sequence[str] | None = None,
         query_columns: str | Sequence[str] | bool | None = None,
         max_per_query: int | None = None,
@@ -542,7 +552,8 @@ class Client:
         """Every point of ``name`` within ``radius_m`` metres of each query; as :meth:`knn`.
 
         ``layout="per_query"`` gives one row per query with lists of each query's own
-        length.
+        length. ``where`` searches only the points an attribute filter selects (as
+        :meth:`knn`'s).
         ``sort`` orders each query's points by distance, ``asc`` (nearest first, as the
         server sends them) or ``desc``; ``max_per_query`` keeps the first n of that
         order (like Redis GEOSEARCH ``COUNT n ASC``). Both apply here, in the client,
@@ -552,12 +563,17 @@ class Client:
             raise TypeError("radius() needs radius_m, metres")
         found = queries(lat, lon, "radius queries")
         wanted = _column_list(columns)
-
+        wire_filter = filter_message(where)
         wire_layout = _layout(layout)
 
         def request(points: pb.Points) -> pb.RadiusRequest:
             return pb.RadiusRequest(
-                dataset=name, queries=points, radius_m=radius_m, columns=wanted, layout=wire_layout
+                dataset=name,
+                queries=points,
+                radius_m=radius_m,
+                columns=wanted,
+                layout=wire_layout,
+                where=wire_filter,
             )
 
         compact = not wanted and layout == "rows" and len(found) <= COMPACT_RADIUS_QUERIES
@@ -574,14 +590,16 @@ class Client:
         lon2: Any = None,
         *,
         ids: Sequence[int] | Sequence[str] | None = None,
+        where: Any = None,
         dtype: str = "float64",
     ) -> np.ndarray:
         """Great-circle metres from each query point (rows) to a dataset or a second set.
 
         Rows are the points (``lat``, ``lon``), or ``lat`` alone as a DataFrame,
         GeoDataFrame or GeoSeries (see :meth:`knn`). Columns are the points of dataset
-        ``name`` (in row order, or the rows of ``ids`` in that order), or the points
-        (``lat2``, ``lon2``), which may likewise be one frame given as ``lat2``.
+        ``name`` (in row order, or the rows of ``ids`` in that order, or only the
+        points the filter ``where`` selects, in row order: see :meth:`knn`), or the
+        points (``lat2``, ``lon2``), which may likewise be one frame given as ``lat2``.
         ``dtype`` float64 is exact; float32 halves the bytes and carries up to about
         4 m error at long range. Returns a NumPy array of shape (rows, columns).
         """
@@ -598,6 +616,11 @@ class Client:
                 int_ids, string_ids = _split_ids(ids)
                 request.ids.int_ids.extend(int_ids)
                 request.ids.string_ids.extend(string_ids)
+            wire_filter = filter_message(where)
+            if wire_filter is not None:
+                request.where.CopyFrom(wire_filter)
+        elif where is not None:
+            raise ValueError("where filters a dataset's points; give the dataset name")
         elif lat2 is not None:
             columns = queries(lat2, lon2, "matrix columns")
             request.targets.CopyFrom(points_to_message(columns.lat, columns.lon))

@@ -19,9 +19,12 @@ def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
     from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The well-known types (google/protobuf/timestamp.proto) ship with grpcio-tools.
+    well_known = Path(protoc.__file__).resolve().parent / "_proto"
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",
+        f"-I{well_known}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",

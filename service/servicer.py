@@ -6,6 +6,7 @@ the store. Domain errors become status codes with their message (``_translate``)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,6 +31,14 @@ from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, Servi
 from geonear.service.pipeline import prefetched
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows
+from geonear.service.queries.filters import (
+    OPS,
+    Filter,
+    FilteredIndexes,
+    PointSelection,
+    parse_filter,
+    selected_rows,
+)
 from geonear.service.queries.knn import knn_async, knn_query, knn_slices
 from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import (
@@ -69,6 +78,17 @@ _DTYPES: dict[int, MatrixDtype] = {
     pb.FLOAT64: "float64",
     pb.FLOAT32: "float32",
 }
+_FILTER_OPS = {
+    pb.FILTER_OP_EQ: "==",
+    pb.FILTER_OP_NE: "!=",
+    pb.FILTER_OP_LT: "<",
+    pb.FILTER_OP_LE: "<=",
+    pb.FILTER_OP_GT: ">",
+    pb.FILTER_OP_GE: ">=",
+    pb.FILTER_OP_IN: "in",
+    pb.FILTER_OP_NOT_IN: "not in",
+}
+assert sorted(_FILTER_OPS.values()) == sorted(OPS)
 
 
 def _status_of(
@@ -158,6 +178,47 @@ def dataset_info(d: DatasetVersion) -> pb.DatasetInfo:
     )
 
 
+def _filter_value(value: pb.Value, column: str) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind is None:
+        raise InvalidInput(f"where: a value compared with {column!r} has no kind set")
+    if kind == "timestamp_value":
+        stamp = value.timestamp_value
+        return np.datetime64(stamp.seconds * 10**9 + stamp.nanos, "ns")
+    return getattr(value, kind)
+
+
+def _where(message: Any) -> Filter | None:
+    """The ``where`` field of a request as the domain's filter; None when unset or empty."""
+    if not message.HasField("where"):
+        return None
+    groups = []
+    for conjunction in message.where.any_of:
+        predicates = []
+        for p in conjunction.all_of:
+            op = _FILTER_OPS.get(p.op)
+            if op is None:
+                raise InvalidInput(
+                    f"where: predicate on {p.column!r} has op {p.op}; set one of the FilterOp "
+                    "values"
+                )
+            listed = op in ("in", "not in")
+            operand = p.WhichOneof("operand")
+            if operand != ("values" if listed else "value"):
+                raise InvalidInput(
+                    f"where: {p.column!r} {op} takes "
+                    + ("a ValueList in `values`" if listed else "one Value in `value`")
+                )
+            value: Any = (
+                [_filter_value(v, p.column) for v in p.values.values]
+                if listed
+                else _filter_value(p.value, p.column)
+            )
+            predicates.append((p.column, op, value))
+        groups.append(predicates)
+    return parse_filter(groups)
+
+
 def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points | None:
     """The query points of a streamed request's later message (None at the stream's end)."""
     if message is None:
@@ -190,6 +251,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             if settings.batching
             else None
         )
+        #: Indexes of the points filters select, built once per (version, filter).
+        self.filtered = FilteredIndexes(self.engine)
 
     # -- datasets ------------------------------------------------------------------------
     def Upload(self, request_iterator, context):
@@ -270,8 +333,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         points: pb.Points | None = None,
     ) -> dict[str, Any]:
         lat, lon = points_from_message(points or request.queries)
+        dataset = dataset or self.store.get(request.dataset)
         return {
-            "dataset": dataset or self.store.get(request.dataset),
+            "dataset": dataset,
             "lat": lat,
             "lon": lon,
             "k": int(request.k),
@@ -279,6 +343,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 request.max_distance_m if request.HasField("max_distance_m") else None
             ),
             "columns": list(request.columns),
+            "points": self._selection(dataset, request),
             "limits": self.limits,
         }
 
@@ -289,14 +354,21 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         points: pb.Points | None = None,
     ) -> dict[str, Any]:
         lat, lon = points_from_message(points or request.queries)
+        dataset = dataset or self.store.get(request.dataset)
         return {
-            "dataset": dataset or self.store.get(request.dataset),
+            "dataset": dataset,
             "lat": lat,
             "lon": lon,
             "radius_m": float(request.radius_m),
             "columns": list(request.columns),
+            "points": self._selection(dataset, request),
             "limits": self.limits,
         }
+
+    def _selection(self, dataset: DatasetVersion, request: Any) -> PointSelection | None:
+        """The points a request's ``where`` selects, with their index (None: all)."""
+        where = _where(request)
+        return None if where is None else self.filtered.select(dataset, where)
 
     # Knn and Radius stream answers of any size from a server thread, searched, assembled
     # and sent a slice of queries at a time, the next slice made while one is sent; the
@@ -384,7 +456,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     async def KnnCompact(self, request, context):
         async with _translate_async(context):
             _refuse_columns(request, "KnnCompact", "Knn")
-            query = knn_query(**self._knn_args(request))
+            # A new filter's index is built off the event loop.
+            args = (
+                await asyncio.to_thread(self._knn_args, request)
+                if request.HasField("where")
+                else self._knn_args(request)
+            )
+            query = knn_query(**args)
             _check_compact(query.result_rows, "Knn")
             found = await knn_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
             return self._compact(found)
@@ -392,7 +470,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     async def RadiusCompact(self, request, context):
         async with _translate_async(context):
             _refuse_columns(request, "RadiusCompact", "Radius")
-            query = await radius_query_async(**self._radius_args(request))
+            args = (
+                await asyncio.to_thread(self._radius_args, request)
+                if request.HasField("where")
+                else self._radius_args(request)
+            )
+            query = await radius_query_async(**args)
             _check_compact(query.result_rows, "Radius")
             found = await radius_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
             return self._compact(found)
@@ -440,8 +523,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
         if not request.dataset:
-            if request.HasField("ids"):
-                raise InvalidInput("ids select columns of a dataset; name the dataset")
+            if request.HasField("ids") or request.HasField("where"):
+                raise InvalidInput("ids and where select columns of a dataset; name the dataset")
             if not request.HasField("targets"):
                 raise InvalidInput("give a dataset or inline targets for the matrix columns")
             return points_from_message(request.targets)
@@ -451,7 +534,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             raise InvalidInput("matrix ids: give int_ids or string_ids, not both")
         dataset = self.store.get(request.dataset)
         if not request.HasField("ids") or not (request.ids.int_ids or request.ids.string_ids):
-            return dataset.lat, dataset.lon
+            rows = selected_rows(dataset, _where(request))
+            if rows is None:
+                return dataset.lat, dataset.lon
+            return dataset.lat[rows], dataset.lon[rows]
+        if _where(request) is not None:
+            raise InvalidInput("matrix columns: give ids or a filter (where), not both")
         wanted: list[int] | list[str] = list(request.ids.int_ids) or list(request.ids.string_ids)
         id_col = dataset.table.column("id")
         try:

@@ -214,15 +214,27 @@ class NeighbourGrid:
         where a query has fewer neighbours, without materialising query_index or rank."""
         if layout != "per_query":
             return self.neighbour_rows().table(earth_radius_m, layout)
-        width = self.indices.shape[1]
-        missing = self.indices < 0
+        n, width = self.indices.shape
+        if width == 0:
+            # No point searched (a filter that selects none): lists of one null entry,
+            # as Arrow's IPC has no use for lists of none.
+            width, indices = 1, np.full((n, 1), -1, dtype=np.int64)
+            distances_m = np.full((n, 1), np.inf)
+        else:
+            indices, distances_m = self.indices, self.distances_m
+        missing = indices < 0
         if missing.any():
             mask = missing.ravel()
-            rows = np.where(missing, 0, self.indices).ravel()
+            rows = np.where(missing, 0, indices).ravel()
         else:
-            mask, rows = None, self.indices.ravel()
-        taken = take_columns(self.dataset, ("id", *self.columns), rows)
-        data = {"id": taken["id"], "distance_m": pa.array(self.distances_m.ravel(), mask=mask)}
+            mask, rows = None, indices.ravel()
+        names = ("id", *self.columns)
+        if mask is not None and mask.all():
+            schema = self.dataset.table.schema
+            taken = {name: pa.nulls(rows.shape[0], schema.field(name).type) for name in names}
+        else:
+            taken = take_columns(self.dataset, names, rows)
+        data = {"id": taken["id"], "distance_m": pa.array(distances_m.ravel(), mask=mask)}
         for name in self.columns:
             data[name] = taken[name]
         valid = None if mask is None else pa.array(~mask)

@@ -1,5 +1,9 @@
 """KNN queries: the k nearest dataset points of each query point.
 
+A query searches a :class:`~geonear.service.queries.filters.PointSelection`: the
+dataset's own index, or a filter's index of the points it selects, whose row numbers
+are mapped back to the dataset's before anything else sees them.
+
 ``knn_query`` checks a request and knows its answer's size before any search;
 ``knn``/``knn_async`` answer it whole (compact answers, small by construction) and
 ``knn_slices`` a slice of queries at a time (streamed answers).
@@ -26,6 +30,7 @@ from geonear.service.queries.common import (
     check_result_rows,
     fixed_slices,
 )
+from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
@@ -40,6 +45,8 @@ class KnnQuery:
     k: int
     max_distance_m: float | None
     columns: tuple[str, ...]
+    #: The points searched (a filter's selection, or all of the dataset's).
+    points: PointSelection
 
     @property
     def n_queries(self) -> int:
@@ -47,7 +54,7 @@ class KnnQuery:
 
     @property
     def rows_per_query(self) -> int:
-        return min(self.k, self.dataset.rows)
+        return min(self.k, self.points.n_points)
 
     @property
     def result_rows(self) -> int:
@@ -63,20 +70,32 @@ def knn_query(
     *,
     max_distance_m: float | None = None,
     columns: Sequence[str] = (),
+    points: PointSelection | None = None,
+    stored_queries: bool = False,
     limits: Limits,
 ) -> KnnQuery:
     """The request, checked; raises on a bad k, bound, query or column, and refuses an
-    answer beyond ``max_result_rows`` before any search."""
+    answer beyond ``max_result_rows`` before any search.
+
+    ``points`` are the points searched (default: all of the dataset's);
+    ``stored_queries`` says the query points are a stored dataset's, checked when they
+    were stored, so ``max_query_points`` (a bound on request messages) does not apply.
+    ``columns`` are not checked then: the caller has.
+    """
     if k < 1:
         raise InvalidInput(f"k must be at least 1, got {k}")
     if k > limits.max_k:
         raise LimitExceeded(f"k={k} exceeds max_k={limits.max_k} (setting GEONEAR_MAX_K)")
     if max_distance_m is not None and not (np.isfinite(max_distance_m) and max_distance_m >= 0):
         raise InvalidInput(f"max_distance_m must be a finite number >= 0, got {max_distance_m}")
-    check_queries(lat, lon, limits)
-    query = KnnQuery(dataset, lat, lon, k, max_distance_m, tuple(check_columns(dataset, columns)))
+    if not stored_queries:
+        check_queries(lat, lon, limits)
+        columns = check_columns(dataset, columns)
+    points = points or all_points(dataset)
+    query = KnnQuery(dataset, lat, lon, k, max_distance_m, tuple(columns), points)
+    searched = f"{points.n_points} selected" if points.rows is not None else dataset.rows
     check_result_rows(
-        query.result_rows, limits, f"{query.n_queries} queries x min(k={k}, {dataset.rows} rows)"
+        query.result_rows, limits, f"{query.n_queries} queries x min(k={k}, {searched} rows)"
     )
     return query
 
@@ -99,10 +118,10 @@ async def knn_async(
     q = query
     shared = batchable(batcher, q.n_queries, q.result_rows)
     if shared is None:
-        found = await asyncio.to_thread(q.dataset.index.knn, q.lat, q.lon, q.k, q.max_distance_m)
+        found = await asyncio.to_thread(q.points.index.knn, q.lat, q.lon, q.k, q.max_distance_m)
     else:
         found = await shared.knn_async(
-            q.dataset.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s
+            q.points.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s
         )
     return _grid(q, found, 0).neighbour_rows()
 
@@ -127,11 +146,12 @@ def _search(
     lat, lon = q.lat[start:stop], q.lon[start:stop]
     shared = batchable(batcher, stop - start, (stop - start) * q.rows_per_query)
     if shared is None:
-        found = q.dataset.index.knn(lat, lon, q.k, q.max_distance_m)
+        found = q.points.index.knn(lat, lon, q.k, q.max_distance_m)
     else:
-        found = shared.knn(q.dataset.index, lat, lon, q.k, q.max_distance_m, timeout_s)
+        found = shared.knn(q.points.index, lat, lon, q.k, q.max_distance_m, timeout_s)
     return _grid(q, found, start)
 
 
 def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:
-    return NeighbourGrid(q.dataset, found.indices, found.distances_m, first_query, q.columns)
+    rows = q.points.dataset_rows(found.indices)
+    return NeighbourGrid(q.dataset, rows, found.distances_m, first_query, q.columns)

@@ -3,7 +3,8 @@
 ``radius_query`` checks a request and counts each query's neighbours (the engine's
 ``radius_count``, which gathers none), so that the answer's size is known before the
 search; ``radius``/``radius_async`` answer it whole and ``radius_slices`` a slice of
-queries at a time, cut by those counts.
+queries at a time, cut by those counts. As for KNN, the points searched are a
+:class:`~geonear.service.queries.filters.PointSelection`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from geonear.service.queries.common import (
     check_result_rows,
     counted_slices,
 )
+from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
@@ -44,6 +46,8 @@ class RadiusQuery:
     radius_m: float
     columns: tuple[str, ...]
     counts: np.ndarray  # int64, neighbours of each query
+    #: The points searched (a filter's selection, or all of the dataset's).
+    points: PointSelection
 
     @property
     def n_queries(self) -> int:
@@ -61,12 +65,16 @@ def radius_query(
     radius_m: float,
     *,
     columns: Sequence[str] = (),
+    points: PointSelection | None = None,
+    stored_queries: bool = False,
     limits: Limits,
 ) -> RadiusQuery:
     """The request, checked and counted; an answer beyond ``max_result_rows`` is refused
-    before any neighbour is gathered."""
-    checked = _check(dataset, lat, lon, radius_m, columns, limits)
-    return _counted(dataset, lat, lon, radius_m, checked, limits, None)
+    before any neighbour is gathered. ``points`` and ``stored_queries`` as for
+    ``knn.knn_query``."""
+    checked = _check(dataset, lat, lon, radius_m, columns, limits, stored_queries)
+    points = points or all_points(dataset)
+    return _counted(dataset, lat, lon, radius_m, checked, limits, points, None)
 
 
 async def radius_query_async(
@@ -76,16 +84,18 @@ async def radius_query_async(
     radius_m: float,
     *,
     columns: Sequence[str] = (),
+    points: PointSelection | None = None,
     limits: Limits,
 ) -> RadiusQuery:
     """``radius_query`` for the server's event loop: large counts run on another thread."""
-    checked = _check(dataset, lat, lon, radius_m, columns, limits)
+    checked = _check(dataset, lat, lon, radius_m, columns, limits, False)
+    points = points or all_points(dataset)
     counts = (
-        dataset.index.radius_count(lat, lon, radius_m)
+        points.index.radius_count(lat, lon, radius_m)
         if lat.shape[0] <= INLINE_COUNT_QUERIES
-        else await asyncio.to_thread(dataset.index.radius_count, lat, lon, radius_m)
+        else await asyncio.to_thread(points.index.radius_count, lat, lon, radius_m)
     )
-    return _counted(dataset, lat, lon, radius_m, checked, limits, counts)
+    return _counted(dataset, lat, lon, radius_m, checked, limits, points, counts)
 
 
 def radius(
@@ -103,9 +113,9 @@ async def radius_async(
     q = query
     shared = batchable(batcher, q.n_queries, q.result_rows)
     if shared is None:
-        found = await asyncio.to_thread(q.dataset.index.radius, q.lat, q.lon, q.radius_m)
+        found = await asyncio.to_thread(q.points.index.radius, q.lat, q.lon, q.radius_m)
     else:
-        found = await shared.radius_async(q.dataset.index, q.lat, q.lon, q.radius_m, timeout_s)
+        found = await shared.radius_async(q.points.index, q.lat, q.lon, q.radius_m, timeout_s)
     return _rows(q, found, 0)
 
 
@@ -133,9 +143,12 @@ def _check(
     radius_m: float,
     columns: Sequence[str],
     limits: Limits,
+    stored_queries: bool,
 ) -> tuple[str, ...]:
     if not (np.isfinite(radius_m) and radius_m >= 0):
         raise InvalidInput(f"radius_m must be a finite number >= 0, got {radius_m}")
+    if stored_queries:
+        return tuple(columns)
     check_queries(lat, lon, limits)
     return tuple(check_columns(dataset, columns))
 
@@ -147,11 +160,12 @@ def _counted(
     radius_m: float,
     columns: tuple[str, ...],
     limits: Limits,
+    points: PointSelection,
     counts: np.ndarray | None,
 ) -> RadiusQuery:
     if counts is None:
-        counts = dataset.index.radius_count(lat, lon, radius_m)
-    query = RadiusQuery(dataset, lat, lon, radius_m, columns, counts)
+        counts = points.index.radius_count(lat, lon, radius_m)
+    query = RadiusQuery(dataset, lat, lon, radius_m, columns, counts, points)
     check_result_rows(
         query.result_rows, limits, f"a radius of {radius_m} m around {query.n_queries} queries"
     )
@@ -164,9 +178,9 @@ def _search(
     lat, lon = q.lat[start:stop], q.lon[start:stop]
     shared = batchable(batcher, stop - start, int(q.counts[start:stop].sum()))
     if shared is None:
-        found = q.dataset.index.radius(lat, lon, q.radius_m)
+        found = q.points.index.radius(lat, lon, q.radius_m)
     else:
-        found = shared.radius(q.dataset.index, lat, lon, q.radius_m, timeout_s)
+        found = shared.radius(q.points.index, lat, lon, q.radius_m, timeout_s)
     return _rows(q, found, start)
 
 
@@ -179,7 +193,7 @@ def _rows(q: RadiusQuery, found: RadiusNeighbours, first_query: int) -> Neighbou
         q.dataset,
         query_index,
         rank.astype(np.int32),
-        found.indices,
+        q.points.dataset_rows(found.indices),
         found.distances_m,
         q.columns,
         offsets=found.offsets,

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -20,6 +23,18 @@ class ResultLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROWS: _ClassVar[ResultLayout]
     PER_QUERY: _ClassVar[ResultLayout]
 
+class FilterOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILTER_OP_UNSPECIFIED: _ClassVar[FilterOp]
+    FILTER_OP_EQ: _ClassVar[FilterOp]
+    FILTER_OP_NE: _ClassVar[FilterOp]
+    FILTER_OP_LT: _ClassVar[FilterOp]
+    FILTER_OP_LE: _ClassVar[FilterOp]
+    FILTER_OP_GT: _ClassVar[FilterOp]
+    FILTER_OP_GE: _ClassVar[FilterOp]
+    FILTER_OP_IN: _ClassVar[FilterOp]
+    FILTER_OP_NOT_IN: _ClassVar[FilterOp]
+
 class MatrixDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MATRIX_DTYPE_UNSPECIFIED: _ClassVar[MatrixDtype]
@@ -32,6 +47,15 @@ APPEND: UploadMode
 RESULT_LAYOUT_UNSPECIFIED: ResultLayout
 ROWS: ResultLayout
 PER_QUERY: ResultLayout
+FILTER_OP_UNSPECIFIED: FilterOp
+FILTER_OP_EQ: FilterOp
+FILTER_OP_NE: FilterOp
+FILTER_OP_LT: FilterOp
+FILTER_OP_LE: FilterOp
+FILTER_OP_GT: FilterOp
+FILTER_OP_GE: FilterOp
+FILTER_OP_IN: FilterOp
+FILTER_OP_NOT_IN: FilterOp
 MATRIX_DTYPE_UNSPECIFIED: MatrixDtype
 FLOAT64: MatrixDtype
 FLOAT32: MatrixDtype
@@ -180,35 +204,83 @@ class DatasetInfo(_message.Message):
     created_unix_s: float
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., host_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., bounding_box: _Optional[_Union[BoundingBox, _Mapping]] = ..., engine: _Optional[str] = ..., id_type: _Optional[str] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
 
+class Filter(_message.Message):
+    __slots__ = ("any_of",)
+    ANY_OF_FIELD_NUMBER: _ClassVar[int]
+    any_of: _containers.RepeatedCompositeFieldContainer[Conjunction]
+    def __init__(self, any_of: _Optional[_Iterable[_Union[Conjunction, _Mapping]]] = ...) -> None: ...
+
+class Conjunction(_message.Message):
+    __slots__ = ("all_of",)
+    ALL_OF_FIELD_NUMBER: _ClassVar[int]
+    all_of: _containers.RepeatedCompositeFieldContainer[Predicate]
+    def __init__(self, all_of: _Optional[_Iterable[_Union[Predicate, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("int_value", "float_value", "string_value", "bool_value", "timestamp_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    float_value: float
+    string_value: str
+    bool_value: bool
+    timestamp_value: _timestamp_pb2.Timestamp
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., timestamp_value: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ValueList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class Predicate(_message.Message):
+    __slots__ = ("column", "op", "value", "values")
+    COLUMN_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    column: str
+    op: FilterOp
+    value: Value
+    values: ValueList
+    def __init__(self, column: _Optional[str] = ..., op: _Optional[_Union[FilterOp, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., values: _Optional[_Union[ValueList, _Mapping]] = ...) -> None: ...
+
 class KnnRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns", "layout")
+    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns", "layout", "where")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MAX_DISTANCE_M_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     k: int
     max_distance_m: float
     columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+    where: Filter
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
 
 class RadiusRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "radius_m", "columns", "layout")
+    __slots__ = ("dataset", "queries", "radius_m", "columns", "layout", "where")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     radius_m: float
     columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+    where: Filter
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
 
 class CompactNeighbours(_message.Message):
     __slots__ = ("query_index", "rank", "int_ids", "string_ids", "distance_m", "earth_radius_m", "dataset_version")
@@ -237,18 +309,20 @@ class IdList(_message.Message):
     def __init__(self, int_ids: _Optional[_Iterable[int]] = ..., string_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DistanceMatrixRequest(_message.Message):
-    __slots__ = ("queries", "dataset", "ids", "targets", "dtype")
+    __slots__ = ("queries", "dataset", "ids", "targets", "dtype", "where")
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     queries: Points
     dataset: str
     ids: IdList
     targets: Points
     dtype: MatrixDtype
-    def __init__(self, queries: _Optional[_Union[Points, _Mapping]] = ..., dataset: _Optional[str] = ..., ids: _Optional[_Union[IdList, _Mapping]] = ..., targets: _Optional[_Union[Points, _Mapping]] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ...) -> None: ...
+    where: Filter
+    def __init__(self, queries: _Optional[_Union[Points, _Mapping]] = ..., dataset: _Optional[str] = ..., ids: _Optional[_Union[IdList, _Mapping]] = ..., targets: _Optional[_Union[Points, _Mapping]] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
 
 class MatrixTile(_message.Message):
     __slots__ = ("row_start", "col_start", "row_count", "col_count", "values", "total_rows", "total_cols", "earth_radius_m", "dtype")

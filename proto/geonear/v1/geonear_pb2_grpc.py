@@ -206,7 +206,7 @@ class GeoNearServicer:
 
     def DistanceMatrix(self, request, context):
         """Great-circle distances between query points and a dataset (or a subset of it by
-        id, or a second inline point set), streamed as row-major tiles.
+        id or by a filter, or a second inline point set), streamed as row-major tiles.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
