@@ -581,6 +581,75 @@ class Client:
         table = _limit_per_query(table, max_per_query, sort)
         return attach_queries(table, found, query_columns, as_arrow=as_arrow, as_geo=as_geo)
 
+    def count_within(
+        self,
+        name: str,
+        lat: Any = None,
+        lon: Any = None,
+        radius_m: float | None = None,
+        *,
+        left: str | None = None,
+        where: Any = None,
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """How many points of ``name`` lie within ``radius_m`` metres of each query point,
+        or of each point of the stored dataset ``left``; only the counts cross the wire.
+
+        Parameters
+        ----------
+        lat, lon : float or array-like, degrees, optional
+            The query points, as for :meth:`knn` (a frame as ``lat`` alone works too).
+        radius_m : float
+            Radius in metres; a point at exactly that distance counts.
+        left : str, optional
+            Count around every point of this stored dataset instead of query points.
+        where : list of tuples, optional
+            Count only the points of ``name`` this attribute filter selects (see
+            :meth:`knn`).
+        as_arrow : bool
+            Return a pyarrow Table.
+
+        Returns
+        -------
+        pandas.DataFrame
+            query_index and count (int64) a query, in query order, with the queries'
+            index where they have one; with ``left``: left_id (the left dataset's ids, in
+            its row order) and count. Counts are exact: the number of rows
+            :meth:`radius` would return for the query. Query sets beyond 65,536 points
+            are counted in parts of that size, each on the version of ``name`` current
+            when it arrives.
+        """
+        if radius_m is None:
+            raise TypeError("count_within() needs radius_m, metres")
+        wire_filter = filter_message(where)
+        if left is not None:
+            if lat is not None or lon is not None:
+                raise ValueError("give query points or left, not both")
+            request = pb.CountWithinRequest(
+                dataset=name, left_dataset=left, radius_m=radius_m, where=wire_filter
+            )
+            table = messages_to_table(self._stream("CountWithin", request))
+            return table if as_arrow else table.to_pandas()
+        if lat is None:
+            raise TypeError("count_within() needs query points (lat, lon) or left=")
+        found = queries(lat, lon, "count queries")
+        parts = []
+        for start in range(0, max(1, len(found)), QUERY_CHUNK):
+            stop = start + QUERY_CHUNK
+            request = pb.CountWithinRequest(
+                dataset=name,
+                queries=points_to_message(found.lat[start:stop], found.lon[start:stop]),
+                radius_m=radius_m,
+                where=wire_filter,
+            )
+            part = messages_to_table(self._stream("CountWithin", request))
+            if start:
+                shifted = pa.compute.add(part.column("query_index"), start)
+                part = part.set_column(0, "query_index", shifted)
+            parts.append(part)
+        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        return attach_queries(table, found, None, as_arrow=as_arrow)
+
     def distance_matrix(
         self,
         lat: Any,

@@ -31,6 +31,7 @@ from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, Servi
 from geonear.service.pipeline import prefetched
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows
+from geonear.service.queries.counts import count_query, count_tables
 from geonear.service.queries.filters import (
     OPS,
     Filter,
@@ -217,6 +218,12 @@ def _where(message: Any) -> Filter | None:
             predicates.append((p.column, op, value))
         groups.append(predicates)
     return parse_filter(groups)
+
+
+def _sent(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
+    """``tables`` as one Arrow stream, encoded one slice or two ahead of the sender."""
+    messages = timing.timed(tables_to_messages(tables), "encode", nested=True)
+    yield from prefetched(messages, depth=PREFETCH_MESSAGES)
 
 
 def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points | None:
@@ -449,8 +456,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                     offset += n_queries
                     points = _more_points(next(requests, None))
 
-            messages = timing.timed(tables_to_messages(tables()), "encode", nested=True)
-            yield from prefetched(messages, depth=PREFETCH_MESSAGES)
+            yield from _sent(tables(), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     async def KnnCompact(self, request, context):
@@ -588,6 +594,28 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             if request.return_labels:
                 for message in table_to_messages(kmeans_query.label_table(dataset, result)):
                     yield pb.KMeansResponse(labels=message)
+
+    def CountWithin(self, request, context):
+        timing = StageTimes()
+        with _translate(context):
+            with timing.stage("decode"):
+                dataset = self.store.get(request.dataset)
+                if bool(request.left_dataset) == request.HasField("queries"):
+                    raise InvalidInput("give query points or a left dataset (one of the two)")
+                left = self.store.get(request.left_dataset) if request.left_dataset else None
+                lat, lon = (left.lat, left.lon) if left else points_from_message(request.queries)
+                query = count_query(
+                    dataset,
+                    lat,
+                    lon,
+                    float(request.radius_m),
+                    points=self._selection(dataset, request),
+                    left=left,
+                    limits=self.limits,
+                )
+            tables = count_tables(query, self.engine.earth_radius_m, context.is_active)
+            yield from _sent(timing.timed(tables, "search"), timing)
+        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     def ServerInfo(self, request, context):
         used, total = self.engine.memory_pool_bytes()

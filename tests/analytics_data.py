@@ -8,12 +8,15 @@ numbers mapped back to the dataset's.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from geonear.clients.client import Client
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
     GPU_ENGINES,
@@ -22,6 +25,8 @@ from geonear.service.engines import (
     create_engine,
     gpu_available,
 )
+from geonear.service.server import build_server
+from geonear.service.settings import ServerSettings
 
 #: Poles (one point twice under two longitudes), the antimeridian from both sides and
 #: exact duplicates.
@@ -175,3 +180,18 @@ def engine_settings(name: str) -> dict:
     if name == "gpu":
         return {"backend": "gpu"}
     return {"engine": name}
+
+
+@contextlib.contextmanager
+def engine_server(name: str, tables: dict[str, pa.Table]) -> Iterator[Client]:
+    """A client of a server on engine ``name`` (memory only) with ``tables`` uploaded."""
+    settings = ServerSettings(host="127.0.0.1", port=0, data_dir=None, **engine_settings(name))
+    parts = build_server(settings)
+    parts.server.start()
+    try:
+        with Client(f"127.0.0.1:{parts.port}", timeout_s=120) as client:
+            for dataset, t in tables.items():
+                client.upload(dataset, t)
+            yield client
+    finally:
+        parts.stop(None)

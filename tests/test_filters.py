@@ -23,7 +23,7 @@ from analytics_data import (
     RADIUS_M,
     START,
     cpu_engine_params,
-    engine_settings,
+    engine_server,
     knn_from_rows,
     points,
     queries,
@@ -45,8 +45,6 @@ from geonear.service.queries.filters import (
     parse_filter,
     row_mask,
 )
-from geonear.service.server import build_server
-from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
 from geonear.service.validation import normalise_upload
 from geonear.v1 import geonear_pb2 as pb
@@ -82,18 +80,8 @@ FILTERS: dict[str, tuple[Any, Callable[[pa.Table], np.ndarray]]] = {
 @pytest.fixture(scope="module", params=cpu_engine_params())
 def served(request: pytest.FixtureRequest) -> Iterator[Client]:
     """A server on one engine, for the module, with the three data sets loaded."""
-    settings = ServerSettings(
-        host="127.0.0.1", port=0, data_dir=None, **engine_settings(request.param)
-    )
-    parts = build_server(settings)
-    parts.server.start()
-    try:
-        with Client(f"127.0.0.1:{parts.port}", timeout_s=120) as client:
-            for kind, t in TABLES.items():
-                client.upload(kind, t)
-            yield client
-    finally:
-        parts.stop(None)
+    with engine_server(request.param, TABLES) as client:
+        yield client
 
 
 # -- parity with the reference --------------------------------------------------------------

@@ -62,4 +62,5 @@ def test_installed_stubs_are_the_committed_ones() -> None:
         "DistanceMatrix",
         "KMeans",
         "ServerInfo",
+        "CountWithin",
     }

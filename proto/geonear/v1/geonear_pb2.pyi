@@ -388,6 +388,20 @@ class KMeansResponse(_message.Message):
     labels: ArrowData
     def __init__(self, summary: _Optional[_Union[KMeansSummary, _Mapping]] = ..., labels: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
 
+class CountWithinRequest(_message.Message):
+    __slots__ = ("dataset", "queries", "left_dataset", "radius_m", "where")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
+    RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    queries: Points
+    left_dataset: str
+    radius_m: float
+    where: Filter
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

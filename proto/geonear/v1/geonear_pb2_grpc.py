@@ -104,6 +104,11 @@ class GeoNearStub:
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=geonear_dot_v1_dot_geonear__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.CountWithin = channel.unary_stream(
+                '/geonear.v1.GeoNear/CountWithin',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
 
 
 class GeoNearServicer:
@@ -227,6 +232,21 @@ class GeoNearServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountWithin(self, request, context):
+        """How many dataset points (optionally only those matching `where`) lie within
+        radius_m of each query point, or of each point of a second stored dataset, without
+        sending the points: one Arrow stream of two columns, query_index (int64, from 0) or
+        left_id (the left dataset's ids, in its row order), then count (int64). Counts are
+        exact (the same points Radius returns), counted and sent a slice of queries at a
+        time. Answers with more rows than max_result_rows are refused with
+        RESOURCE_EXHAUSTED before any counting. The schema metadata carries
+        geonear.dataset, geonear.version and geonear.earth_radius_m, and with a left
+        dataset geonear.left_dataset and geonear.left_version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeoNearServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +319,11 @@ def add_GeoNearServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=geonear_dot_v1_dot_geonear__pb2.ServerInfoRequest.FromString,
                     response_serializer=geonear_dot_v1_dot_geonear__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'CountWithin': grpc.unary_stream_rpc_method_handler(
+                    servicer.CountWithin,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -679,6 +704,33 @@ class GeoNear:
             '/geonear.v1.GeoNear/ServerInfo',
             geonear_dot_v1_dot_geonear__pb2.ServerInfoRequest.SerializeToString,
             geonear_dot_v1_dot_geonear__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountWithin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geonear.v1.GeoNear/CountWithin',
+            geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,105 @@
+"""Counts within a radius: how many dataset points lie within radius_m of each query.
+
+Only the counts are made and sent, never the points: each comes from the index's exact
+``radius_count`` (the same points a radius query returns), so a count costs the
+search and nothing of the gathering. The queries are points sent with the request, or
+every point of a second stored dataset (``left``); the answer is a table of
+``query_index`` (or ``left_id``) and ``count``, made and sent a slice of queries at a
+time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from geonear.service.errors import Cancelled, InvalidInput
+from geonear.service.queries.common import SLICE_ROWS, check_queries, check_result_rows
+from geonear.service.queries.filters import PointSelection, all_points
+from geonear.service.settings import Limits
+from geonear.service.store import DatasetVersion
+
+#: Queries counted, and their counts sent, at a time: 2 MB of answer a slice.
+COUNT_SLICE = SLICE_ROWS
+
+
+@dataclass(frozen=True)
+class CountQuery:
+    """A checked count request: points of ``dataset`` (those ``points`` selects) within
+    ``radius_m`` of each query, the queries being ``left``'s points where it is set."""
+
+    dataset: DatasetVersion
+    lat: np.ndarray
+    lon: np.ndarray
+    radius_m: float
+    points: PointSelection
+    left: DatasetVersion | None = None
+
+    @property
+    def n_queries(self) -> int:
+        return int(self.lat.shape[0])
+
+
+def count_query(
+    dataset: DatasetVersion,
+    lat: np.ndarray,
+    lon: np.ndarray,
+    radius_m: float,
+    *,
+    points: PointSelection | None = None,
+    left: DatasetVersion | None = None,
+    limits: Limits,
+) -> CountQuery:
+    """The request, checked; an answer beyond ``max_result_rows`` rows (one a query) is
+    refused before any counting. The points of a stored ``left`` dataset were checked
+    when they were stored: ``max_query_points`` bounds request messages, not them."""
+    if not (np.isfinite(radius_m) and radius_m >= 0):
+        raise InvalidInput(f"radius_m must be a finite number >= 0, got {radius_m}")
+    if left is None:
+        check_queries(lat, lon, limits)
+        what = f"counts for {lat.shape[0]} queries"
+    else:
+        what = f"counts for the {left.rows} points of {left.name!r}"
+    check_result_rows(int(lat.shape[0]), limits, what)
+    return CountQuery(dataset, lat, lon, float(radius_m), points or all_points(dataset), left)
+
+
+def count_tables(
+    query: CountQuery, earth_radius_m: float, is_active: Callable[[], bool] = lambda: True
+) -> Iterator[pa.Table]:
+    """The answer a slice of queries at a time: query_index (or left_id) and count."""
+    n = query.n_queries
+    for start in range(0, max(1, n), COUNT_SLICE):
+        if not is_active():
+            raise Cancelled("the call was cancelled; its counting stopped")
+        stop = min(n, start + COUNT_SLICE)
+        if stop > start:
+            counts = query.points.index.radius_count(
+                query.lat[start:stop], query.lon[start:stop], query.radius_m
+            )
+        else:
+            counts = np.zeros(0, dtype=np.int64)
+        yield _table(query, start, stop, counts, earth_radius_m)
+
+
+def _table(
+    query: CountQuery, start: int, stop: int, counts: np.ndarray, earth_radius_m: float
+) -> pa.Table:
+    metadata = {
+        "geonear.dataset": query.dataset.name,
+        "geonear.version": str(query.dataset.version),
+        "geonear.earth_radius_m": repr(earth_radius_m),
+    }
+    if query.left is None:
+        key = pa.array(np.arange(start, stop, dtype=np.int64))
+        name = "query_index"
+    else:
+        key = query.left.table.column("id").slice(start, stop - start)
+        name = "left_id"
+        metadata["geonear.left_dataset"] = query.left.name
+        metadata["geonear.left_version"] = str(query.left.version)
+    count = pa.array(np.asarray(counts, dtype=np.int64), type=pa.int64())
+    return pa.table({name: key, "count": count}).replace_schema_metadata(metadata)
