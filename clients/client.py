@@ -303,6 +303,13 @@ class Client:
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 
+    def _arrow(self, method: str, request: Any) -> pa.Table:
+        """The Arrow stream answering ``request``, decoded message by message."""
+        try:
+            return messages_to_table(getattr(self._stub, method)(request, timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+
     def _stream(self, method: str, request: Any, timeout_s: float | None = None) -> list[Any]:
         try:
             return list(getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s))
@@ -628,7 +635,7 @@ class Client:
             request = pb.CountWithinRequest(
                 dataset=name, left_dataset=left, radius_m=radius_m, where=wire_filter
             )
-            table = messages_to_table(self._stream("CountWithin", request))
+            table = self._arrow("CountWithin", request)
             return table if as_arrow else table.to_pandas()
         if lat is None:
             raise TypeError("count_within() needs query points (lat, lon) or left=")
@@ -642,13 +649,95 @@ class Client:
                 radius_m=radius_m,
                 where=wire_filter,
             )
-            part = messages_to_table(self._stream("CountWithin", request))
+            part = self._arrow("CountWithin", request)
             if start:
                 shifted = pa.compute.add(part.column("query_index"), start)
                 part = part.set_column(0, "query_index", shifted)
             parts.append(part)
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         return attach_queries(table, found, None, as_arrow=as_arrow)
+
+    def knn_join(
+        self,
+        left: str,
+        right: str,
+        k: int = 1,
+        *,
+        max_distance_m: float | None = None,
+        where: Any = None,
+        left_columns: str | Sequence[str] = (),
+        right_columns: str | Sequence[str] = (),
+        layout: str = "rows",
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """The k nearest points of stored dataset ``right`` to every point of stored
+        dataset ``left``, all in the server (like ``geopandas.sjoin_nearest``).
+
+        Parameters
+        ----------
+        left, right : str
+            Dataset names; they may be one (each point's nearest is then itself, at 0 m).
+        k : int
+            Neighbours per left point; more than the right points selected returns all.
+        max_distance_m : float, optional
+            Leave out neighbours farther than this, metres.
+        where : list of tuples, optional
+            Search only the right points this attribute filter selects (see :meth:`knn`).
+        left_columns, right_columns : str or sequence of str
+            Columns of each side to add (attributes, lat, lon). A name asked of both
+            sides, or named left_id or right_id, gets the suffix ``_left``/``_right``.
+        layout : {"rows", "per_query"}
+            "per_query": one row per left point, with right_id, distance_m and the right
+            columns as lists (as :meth:`knn`'s), the left columns as values.
+        as_arrow : bool
+            Return a pyarrow Table.
+
+        Returns
+        -------
+        pandas.DataFrame
+            left_id, rank (0 = nearest), right_id, distance_m (great-circle metres), then
+            the left and right columns; in left row order, nearest first. At most
+            left rows x min(k, right rows) rows (``max_result_rows`` bounds it).
+        """
+        request = pb.KnnJoinRequest(
+            left_dataset=left,
+            right_dataset=right,
+            k=k,
+            max_distance_m=max_distance_m,
+            where=filter_message(where),
+            left_columns=_column_list(left_columns),
+            right_columns=_column_list(right_columns),
+            layout=_layout(layout),
+        )
+        table = self._arrow("KnnJoin", request)
+        return table if as_arrow else table.to_pandas()
+
+    def radius_join(
+        self,
+        left: str,
+        right: str,
+        radius_m: float,
+        *,
+        where: Any = None,
+        left_columns: str | Sequence[str] = (),
+        right_columns: str | Sequence[str] = (),
+        layout: str = "rows",
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """Every point of stored dataset ``right`` within ``radius_m`` metres of each point
+        of stored dataset ``left``, nearest first per left point; as :meth:`knn_join`
+        (``layout="per_query"`` lists have each left point's own length)."""
+        request = pb.RadiusJoinRequest(
+            left_dataset=left,
+            right_dataset=right,
+            radius_m=radius_m,
+            where=filter_message(where),
+            left_columns=_column_list(left_columns),
+            right_columns=_column_list(right_columns),
+            layout=_layout(layout),
+        )
+        table = self._arrow("RadiusJoin", request)
+        return table if as_arrow else table.to_pandas()
 
     def distance_matrix(
         self,

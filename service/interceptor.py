@@ -111,6 +111,13 @@ class _Call:
         self.ended = False  # counted in the metrics and the log
 
 
+def _dataset_of(request: Any) -> str:
+    """The dataset a request reads, for the log: a join's is "left>right"."""
+    left = getattr(request, "left_dataset", "")
+    right = getattr(request, "right_dataset", "") or getattr(request, "dataset", "")
+    return f"{left}>{right}" if left and right else right or left
+
+
 class UploadIdle(ServiceError):
     """No request message came for ``upload_idle_timeout_s``; the call is ended.
 
@@ -368,7 +375,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         A streamed request comes back as an iterator to read from a server thread.
         """
-        call = _Call("" if streaming else getattr(request, "dataset", ""), upload=rpc == "Upload")
+        call = _Call("" if streaming else _dataset_of(request), upload=rpc == "Upload")
         refusal = self._refusal(call, rpc, request, denial, streaming)
         if refusal is not None:
             self._finish(call, rpc, context, refusal[0])

@@ -40,6 +40,15 @@ from geonear.service.queries.filters import (
     parse_filter,
     selected_rows,
 )
+from geonear.service.queries.joins import (
+    JoinSides,
+    JoinSlice,
+    join_sides,
+    knn_join,
+    knn_join_slices,
+    radius_join,
+    radius_join_slices,
+)
 from geonear.service.queries.knn import knn_async, knn_query, knn_slices
 from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import (
@@ -615,6 +624,66 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 )
             tables = count_tables(query, self.engine.earth_radius_m, context.is_active)
             yield from _sent(timing.timed(tables, "search"), timing)
+        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+
+    # Joins: the left dataset's points are the queries, searched and sent a slice at a
+    # time as Knn's and Radius's are.
+    def KnnJoin(self, request, context):
+        return self._join(request, context, self._knn_join_slices)
+
+    def RadiusJoin(self, request, context):
+        return self._join(request, context, self._radius_join_slices)
+
+    def _knn_join_slices(
+        self, request: pb.KnnJoinRequest, sides: JoinSides, context: Any
+    ) -> Iterator[JoinSlice]:
+        join = knn_join(
+            sides,
+            int(request.k),
+            max_distance_m=request.max_distance_m if request.HasField("max_distance_m") else None,
+            points=self._selection(sides.right, request),
+            limits=self.limits,
+        )
+        return knn_join_slices(join, batcher=self.batcher, timeout_s=_time_left_s(context))
+
+    def _radius_join_slices(
+        self, request: pb.RadiusJoinRequest, sides: JoinSides, context: Any
+    ) -> Iterator[JoinSlice]:
+        join = radius_join(
+            sides,
+            float(request.radius_m),
+            points=self._selection(sides.right, request),
+            limits=self.limits,
+        )
+        return radius_join_slices(join, batcher=self.batcher, timeout_s=_time_left_s(context))
+
+    def _join(
+        self, request: Any, context: Any, slices: Callable[..., Iterator[JoinSlice]]
+    ) -> Iterator[pb.ArrowData]:
+        timing = StageTimes()
+        with _translate(context):
+            layout = _LAYOUTS.get(request.layout)
+            if layout is None:
+                raise InvalidInput(f"unknown result layout {request.layout}")
+            with timing.stage("decode"):
+                left = self.store.get(request.left_dataset)
+                right = (
+                    left
+                    if request.right_dataset == request.left_dataset
+                    else self.store.get(request.right_dataset)
+                )
+                sides = join_sides(left, right, request.left_columns, request.right_columns)
+                found = slices(request, sides, context)
+
+            def tables() -> Iterator[pa.Table]:
+                for piece in timing.timed(found, "search"):
+                    with timing.stage("assemble"):
+                        table = piece.table(self.engine.earth_radius_m, layout)
+                    yield table
+                    if not context.is_active():
+                        raise Cancelled("the call was cancelled; its search stopped")
+
+            yield from _sent(tables(), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     def ServerInfo(self, request, context):

@@ -63,4 +63,6 @@ def test_installed_stubs_are_the_committed_ones() -> None:
         "KMeans",
         "ServerInfo",
         "CountWithin",
+        "KnnJoin",
+        "RadiusJoin",
     }

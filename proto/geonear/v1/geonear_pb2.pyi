@@ -402,6 +402,44 @@ class CountWithinRequest(_message.Message):
     where: Filter
     def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
 
+class KnnJoinRequest(_message.Message):
+    __slots__ = ("left_dataset", "right_dataset", "k", "max_distance_m", "where", "left_columns", "right_columns", "layout")
+    LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISTANCE_M_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    left_dataset: str
+    right_dataset: str
+    k: int
+    max_distance_m: float
+    where: Filter
+    left_columns: _containers.RepeatedScalarFieldContainer[str]
+    right_columns: _containers.RepeatedScalarFieldContainer[str]
+    layout: ResultLayout
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+
+class RadiusJoinRequest(_message.Message):
+    __slots__ = ("left_dataset", "right_dataset", "radius_m", "where", "left_columns", "right_columns", "layout")
+    LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
+    RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    left_dataset: str
+    right_dataset: str
+    radius_m: float
+    where: Filter
+    left_columns: _containers.RepeatedScalarFieldContainer[str]
+    right_columns: _containers.RepeatedScalarFieldContainer[str]
+    layout: ResultLayout
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -109,6 +109,16 @@ class GeoNearStub:
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.SerializeToString,
                 response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.KnnJoin = channel.unary_stream(
+                '/geonear.v1.GeoNear/KnnJoin',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.KnnJoinRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
+        self.RadiusJoin = channel.unary_stream(
+                '/geonear.v1.GeoNear/RadiusJoin',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
 
 
 class GeoNearServicer:
@@ -247,6 +257,33 @@ class GeoNearServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KnnJoin(self, request, context):
+        """The k nearest points of the right dataset (optionally only those matching `where`)
+        to every point of the left dataset, both stored: the left points are the queries,
+        and nothing but the answer crosses the wire. One Arrow stream in the request's
+        layout: by default one row per pair, in left row order and nearest first, with
+        columns left_id, rank (int32, 0 = nearest), right_id, distance_m (float64), then
+        the requested left and right columns. Searched and sent a slice of left points at
+        a time, like Knn; left rows x min(k, selected right rows) above max_result_rows is
+        refused with RESOURCE_EXHAUSTED before the search. The schema metadata carries
+        geonear.left_dataset, geonear.left_version, geonear.right_dataset,
+        geonear.right_version, geonear.earth_radius_m and geonear.layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RadiusJoin(self, request, context):
+        """Every point of the right dataset (optionally only those matching `where`) within
+        radius_m of each point of the left dataset, nearest first per left point; the same
+        columns, layouts and metadata as KnnJoin. Pairs are counted first, and a join of
+        more than max_result_rows pairs is refused before any is gathered; the answer is
+        gathered and sent a slice of left points at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeoNearServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +360,16 @@ def add_GeoNearServicer_to_server(servicer, server):
             'CountWithin': grpc.unary_stream_rpc_method_handler(
                     servicer.CountWithin,
                     request_deserializer=geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'KnnJoin': grpc.unary_stream_rpc_method_handler(
+                    servicer.KnnJoin,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.KnnJoinRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'RadiusJoin': grpc.unary_stream_rpc_method_handler(
+                    servicer.RadiusJoin,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.FromString,
                     response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
             ),
     }
@@ -730,6 +777,60 @@ class GeoNear:
             target,
             '/geonear.v1.GeoNear/CountWithin',
             geonear_dot_v1_dot_geonear__pb2.CountWithinRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KnnJoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geonear.v1.GeoNear/KnnJoin',
+            geonear_dot_v1_dot_geonear__pb2.KnnJoinRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RadiusJoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geonear.v1.GeoNear/RadiusJoin',
+            geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.SerializeToString,
             geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
             options,
             channel_credentials,
