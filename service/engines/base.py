@@ -6,7 +6,7 @@ matrices between arbitrary point sets are an engine method. Inputs are host NumP
 arrays of degrees (latitude first); outputs are host NumPy arrays, distances in
 great-circle metres, row numbers into the dataset.
 
-Exactness (DESIGN.md): every engine returns the float64 reference's answer: the same
+Exactness (docs/design.md): every engine returns the float64 reference's answer: the same
 row numbers in the same order, except among neighbours whose distances differ by less
 than 1 mm, and distances within 1 mm of the reference's.
 """
@@ -174,10 +174,11 @@ class PointIndex(ABC):
     ) -> KMeansResult:
         """Spherical k-means of the indexed points (see ``spherical_kmeans``).
 
-        Long runs stop when the caller goes away: the query layer sets a stop check for
-        the thread (``spherical_kmeans.stopping_when``); ``spherical_kmeans`` checks it
-        between Lloyd iterations, and an engine with its own loop calls
-        ``spherical_kmeans.check_stop()`` there. Either raises ``KMeansStopped``.
+        Engines run the one driver, ``spherical_kmeans.spherical_kmeans``, over hooks of
+        their own (a ``KMeansBackend``). Long runs stop when the caller goes away: the
+        query layer sets a stop check for the thread (``spherical_kmeans.stopping_when``),
+        which the driver checks between Lloyd iterations, initialisations and k-means++
+        draws, raising ``KMeansStopped``. Arguments out of range raise ValueError.
         """
 
 

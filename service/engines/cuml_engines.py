@@ -7,8 +7,9 @@ show what a library call or the obvious CuPy code gives on the same card.
 |----------------|------------------------------------|--------|--------------|--------------------|
 | cuml           | NearestNeighbors(brute, haversine) | no     | no           | cuml.KMeans, unit  |
 |                | + exact float64 re-rank on host    |        |              | vectors, Euclidean |
-| cupy-broadcast | broadcast float64 distances +      | yes    | broadcasting | Lloyd loop: GEMM,  |
-|                | argpartition, blocks of queries    |        | (unfused)    | argmax, one-hot    |
+| cupy-broadcast | broadcast float64 distances +      | yes    | broadcasting | shared driver:     |
+|                | argpartition, blocks of queries    |        | (unfused)    | GEMM, argmax,      |
+|                |                                    |        |              | one-hot GEMM       |
 
 What an engine cannot do raises NotImplementedError with the reason.
 """
@@ -30,12 +31,11 @@ from geonear.service.engines.base import (
     sort_radius,
 )
 from geonear.service.engines.host import HostEngine, HostIndex
-from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
+from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
     angle_between,
     unit_vectors,
-    unit_vectors_to_latlon,
 )
 
 #: Bound on one block of (query, point) distances held on the device, elements.
@@ -135,53 +135,52 @@ class CumlIndex(HostIndex):
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> KMeansResult:
-        """cuML KMeans on the 3-D unit vectors, from the shared k-means++ seeding.
+        """cuML KMeans on the 3-D unit vectors, run by the shared driver (see _CumlKMeans).
 
         Limits: cuML's k-means is Euclidean, so its centres are plain means inside the
         sphere and its stopping rule (``tol``) is its own; the centres are normalised
         onto the sphere afterwards and every point is assigned to the nearest one by
         great-circle distance, which gives the labels, sizes and inertia reported. The
-        result is close to, not the same as, spherical k-means.
+        result is close to, not the same as, spherical k-means. A cancelled call stops
+        between initialisations, not within one (see _CumlKMeans.iterate).
         """
-        n = self.n_points
-        if not 1 <= k <= n:
-            raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
-        cuml = _cuml()
-        xyz = cp.asarray(self.xyz)
-        w = None if weights is None else cp.asarray(weights, dtype=cp.float64)
-        best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
-        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
-            start = seed_kmeans_plus_plus(xyz, k, w, np.random.default_rng(child), cp)
-            model = cuml.KMeans(
-                n_clusters=k,
-                init=start,
-                n_init=1,
-                max_iter=max_iter,
-                tol=tol,
-                output_type="cupy",
-            )
-            model.fit(xyz, sample_weight=w)
-            centres = cp.asarray(model.cluster_centers_, dtype=cp.float64)
-            norms = cp.linalg.norm(centres, axis=1)
-            centres = cp.where(
-                norms[:, None] > 0, centres / cp.where(norms > 0, norms, 1)[:, None], start
-            )
-            labels = cp.argmax(xyz @ centres.T, axis=1).astype(cp.int32)
-            sq = (self.earth_radius_m * angle_between(xyz, centres[labels], xp=cp)) ** 2
-            inertia = float((sq if w is None else sq * w).sum())
-            if best is None or inertia < best[0]:
-                best = (inertia, centres, labels, int(getattr(model, "n_iter_", max_iter)))
-        assert best is not None
-        inertia, centres, labels, n_iter = best
-        c_lat, c_lon = unit_vectors_to_latlon(centres, xp=cp)
-        return KMeansResult(
-            centroid_lat=cp.asnumpy(c_lat),
-            centroid_lon=cp.asnumpy(c_lon),
-            sizes=cp.asnumpy(cp.bincount(labels, minlength=k)).astype(np.int64),
-            labels=cp.asnumpy(labels),
-            inertia_m2=inertia,
-            n_iter=n_iter,
+        backend = _CumlKMeans(cp.asarray(self.xyz), weights, self.earth_radius_m, _cuml())
+        return spherical_kmeans(backend, k, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol)
+
+
+class _CumlKMeans(ArrayKMeans):
+    """The shared k-means++ seeding, best-of and labels, with cuML's KMeans as the
+    Lloyd run of each initialisation."""
+
+    def __init__(self, xyz: cp.ndarray, weights: Any, earth_radius_m: float, cuml: Any) -> None:
+        super().__init__(xyz, weights, earth_radius_m, cp)
+        self._cuml = cuml
+
+    def iterate(
+        self, centroids: cp.ndarray, *, max_iter: int, tol: float, should_stop: Any = None
+    ) -> tuple[cp.ndarray, int]:
+        """One ``cuml.KMeans.fit`` from ``centroids``: (normalised centres, its n_iter_).
+
+        cuML runs all its iterations inside ``fit``, in compiled code that takes no
+        callback, so a stop cannot reach it there: the driver checks for one before each
+        initialisation (and every 16 k-means++ draws), and a cancelled call ends when
+        the ``fit`` under way returns.
+        """
+        model = self._cuml.KMeans(
+            n_clusters=int(centroids.shape[0]),
+            init=centroids,
+            n_init=1,
+            max_iter=max_iter,
+            tol=tol,
+            output_type="cupy",
         )
+        model.fit(self.xyz, sample_weight=self.weights)
+        centres = cp.asarray(model.cluster_centers_, dtype=cp.float64)
+        norms = cp.linalg.norm(centres, axis=1)
+        centres = cp.where(
+            norms[:, None] > 0, centres / cp.where(norms > 0, norms, 1)[:, None], centroids
+        )
+        return centres, int(getattr(model, "n_iter_", max_iter))
 
 
 class CumlEngine(HostEngine):
@@ -313,64 +312,26 @@ class BroadcastIndex(HostIndex):
     ) -> KMeansResult:
         """Spherical k-means the obvious CuPy way: GEMM, argmax, one-hot GEMM.
 
-        Same definition and k-means++ seeding as ``spherical_kmeans``; the cluster sums
-        are a GEMM of one-hot labels (deterministic, unlike ``bincount``'s atomics, so
-        the same seed gives the same result).
+        The shared driver (``spherical_kmeans``) over CuPy arrays; the cluster sums are a
+        GEMM of one-hot labels (deterministic, unlike ``bincount``'s atomics, so the same
+        seed gives the same result).
         """
-        n = self.n_points
-        if not 1 <= k <= n:
-            raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
-        xyz = self.xyz_device
-        w = None if weights is None else cp.asarray(weights, dtype=cp.float64)
-        wxyz = xyz if w is None else xyz * w[:, None]
-        best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
-        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
-            centroids = seed_kmeans_plus_plus(xyz, k, w, np.random.default_rng(child), cp)
-            n_iter = 0
-            for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
-                labels = self._assign(centroids)
-                sums = self._cluster_sums(labels, wxyz, k)
-                norms = cp.sqrt((sums * sums).sum(axis=1))
-                empty = norms == 0
-                new = cp.where(
-                    empty[:, None], centroids, sums / cp.where(empty, 1.0, norms)[:, None]
-                )
-                shift = float(cp.max(angle_between(centroids, new, xp=cp)))
-                centroids = new
-                if shift <= tol:
-                    break
-            labels = self._assign(centroids)
-            sq = (self.earth_radius_m * angle_between(xyz, centroids[labels], xp=cp)) ** 2
-            inertia = float((sq if w is None else sq * w).sum())
-            if best is None or inertia < best[0]:
-                best = (inertia, centroids, labels, n_iter)
-        assert best is not None
-        inertia, centroids, labels, n_iter = best
-        c_lat, c_lon = unit_vectors_to_latlon(centroids, xp=cp)
-        return KMeansResult(
-            centroid_lat=cp.asnumpy(c_lat),
-            centroid_lon=cp.asnumpy(c_lon),
-            sizes=cp.asnumpy(cp.bincount(labels, minlength=k)).astype(np.int64),
-            labels=cp.asnumpy(labels).astype(np.int32),
-            inertia_m2=inertia,
-            n_iter=n_iter,
-        )
+        backend = _OneHotKMeans(self.xyz_device, weights, self.earth_radius_m, cp)
+        return spherical_kmeans(backend, k, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol)
 
-    def _steps_k(self, k: int) -> int:
-        return max(1, _BLOCK_ELEMENTS // max(1, 4 * k))
 
-    def _assign(self, centroids: cp.ndarray) -> cp.ndarray:
-        xyz, step = self.xyz_device, self._steps_k(int(centroids.shape[0]))
-        labels = cp.empty(xyz.shape[0], dtype=cp.int32)
-        for start in range(0, xyz.shape[0], step):
-            labels[start : start + step] = cp.argmax(
-                xyz[start : start + step] @ centroids.T, axis=1
-            )
-        return labels
+class _OneHotKMeans(ArrayKMeans):
+    """CuPy array hooks whose cluster sums are one-hot GEMMs, in blocks of points."""
 
-    def _cluster_sums(self, labels: cp.ndarray, wxyz: cp.ndarray, k: int) -> cp.ndarray:
+    def __init__(self, xyz: cp.ndarray, weights: Any, earth_radius_m: float, xp: Any) -> None:
+        super().__init__(xyz, weights, earth_radius_m, xp)
+        self._wxyz = xyz if self.weights is None else xyz * self.weights[:, None]
+
+    def accumulate(self, labels: cp.ndarray, k: int) -> cp.ndarray:
+        wxyz = self._wxyz
         sums = cp.zeros((k, 3), dtype=cp.float64)
-        step, clusters = self._steps_k(k), cp.arange(k, dtype=cp.int32)
+        step = max(1, _BLOCK_ELEMENTS // max(1, 4 * k))
+        clusters = cp.arange(k, dtype=cp.int32)
         for start in range(0, wxyz.shape[0], step):
             one_hot = (labels[start : start + step, None] == clusters[None, :]).astype(cp.float64)
             sums += one_hot.T @ wxyz[start : start + step]

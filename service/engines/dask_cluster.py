@@ -13,8 +13,9 @@ Queries:
   per-partition top-k by (distance, row) into the exact global answer.
 - Radius asks the partitions whose cap comes within the radius and unions the answers.
 - Distance matrices are tiled over workers by column blocks.
-- Spherical k-means seeds on the front end (k-means++, exactly as the single-process
-  engine) and runs Lloyd iterations with per-partition partial sums combined here.
+- Spherical k-means runs the shared driver (``spherical_kmeans``): k-means++ on the front
+  end, exactly as the single-process engine, and Lloyd steps whose per-partition partial
+  sums are combined here.
 
 Faults: when a worker is lost, Dask reloads its partitions from the partition directory
 onto the remaining workers (the partition futures depend only on the files); a query
@@ -44,17 +45,15 @@ from geonear.service.engines.base import (
     sort_radius,
 )
 from geonear.service.engines.spherical_kmeans import (
-    centroids_from_sums,
-    check_stop,
+    ArrayKMeans,
     cluster_sums,
-    seed_kmeans_plus_plus,
+    spherical_kmeans,
 )
 from geonear.service.errors import ServiceError
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
     angle_between,
     unit_vectors,
-    unit_vectors_to_latlon,
 )
 
 #: Slack on pruning bounds, metres: partitions within this of the threshold are asked.
@@ -359,69 +358,47 @@ class DaskIndex(PointIndex):
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> KMeansResult:
-        """Spherical k-means with the single-process definition (spherical_kmeans)."""
-        if not 1 <= k <= self.n_points:
-            raise ValueError(f"k must be between 1 and the number of points ({self.n_points})")
-        xyz = unit_vectors(self.lat, self.lon)
-        w_future = None if weights is None else self.client.scatter(weights, broadcast=True)
-        best: tuple[float, np.ndarray, int] | None = None
-        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
-            centroids = seed_kmeans_plus_plus(xyz, k, weights, np.random.default_rng(child), np)
-            n_iter = 0
-            for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported
-                check_stop()  # the caller's, set by the query layer (stopping_when)
-                partial = self._gather(
-                    [
-                        self.client.submit(
-                            _partition_lloyd_step, part, centroids, w_future, pure=False
-                        )
-                        for part in self.partitions
-                    ]
-                )
-                sums = np.sum([s for s, _ in partial], axis=0)
-                new = centroids_from_sums(sums, centroids, np)
-                shift = float(np.max(angle_between(centroids, new)))
-                centroids = new
-                if shift <= tol:
-                    break
-            labelled = self._labels(centroids, w_future)
-            inertia = float(sum(part[2] for part in labelled))
-            if best is None or inertia < best[0]:
-                best = (inertia, centroids, n_iter)
-                best_labels = labelled
-        assert best is not None
-        inertia, centroids, n_iter = best
-        labels = np.empty(self.n_points, dtype=np.int32)
-        for rows, part_labels, _ in best_labels:
-            labels[rows] = part_labels
-        lat, lon = unit_vectors_to_latlon(centroids)
-        return KMeansResult(
-            centroid_lat=lat,
-            centroid_lon=lon,
-            sizes=np.bincount(labels, minlength=k).astype(np.int64),
-            labels=labels,
-            inertia_m2=inertia,
-            n_iter=n_iter,
+        """Spherical k-means by the shared driver (``spherical_kmeans``), its Lloyd steps
+        summed over the partitions."""
+        backend = _DaskKMeans(self, weights)
+        return spherical_kmeans(backend, k, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol)
+
+
+class _DaskKMeans(ArrayKMeans):
+    """k-means hooks of a partitioned dataset: k-means++ on the front end's unit vectors;
+    each Lloyd step and the final labels computed by the partitions and combined here."""
+
+    def __init__(self, index: DaskIndex, weights: np.ndarray | None) -> None:
+        super().__init__(unit_vectors(index.lat, index.lon), weights, index.earth_radius_m, np)
+        self.index = index
+        client = index.client
+        self._weights_future = (
+            None if self.weights is None else client.scatter(self.weights, broadcast=True)
         )
 
-    def _labels(
-        self, centroids: np.ndarray, w_future: Any
-    ) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    def _each_partition(self, function: Any, *args: Any) -> list[Any]:
+        index = self.index
         return list(
-            self._gather(
+            index._gather(
                 [
-                    self.client.submit(
-                        _partition_labels,
-                        part,
-                        centroids,
-                        w_future,
-                        self.earth_radius_m,
-                        pure=False,
-                    )
-                    for part in self.partitions
+                    index.client.submit(function, part, *args, pure=False)
+                    for part in index.partitions
                 ]
             )
         )
+
+    def cluster_sums(self, centroids: np.ndarray) -> np.ndarray:
+        partial = self._each_partition(_partition_lloyd_step, centroids, self._weights_future)
+        return np.sum([sums for sums, _ in partial], axis=0)
+
+    def labels_and_inertia(self, centroids: np.ndarray) -> tuple[np.ndarray, float]:
+        labelled = self._each_partition(
+            _partition_labels, centroids, self._weights_future, self.earth_radius_m
+        )
+        labels = np.empty(self.n_points, dtype=np.int32)
+        for rows, part_labels, _ in labelled:
+            labels[rows] = part_labels
+        return labels, float(sum(inertia for _, _, inertia in labelled))
 
 
 class DaskEngine(Engine):

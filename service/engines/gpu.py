@@ -39,11 +39,13 @@ more than 2**18), so that neighbouring queries walk one region:
 
 Boxes and a first test of each point use float32 with a margin far above its rounding;
 decisions are float64, ranked by (squared chord, row), so answers equal the float64
-reference (DESIGN.md). Returned distances are float64 great-circle metres (atan2 form).
+reference (docs/design.md). Returned distances are float64 great-circle metres (atan2 form).
 
-Distance matrices are one fused kernel (float32 or float64); k-means assigns and
-accumulates in one kernel per iteration with deterministic fixed-point sums, seeded by
-the k-means++ of ``spherical_kmeans`` (fused, the same draws) so CPU and GPU start alike.
+Distance matrices are one fused kernel (float32 or float64). k-means is the shared
+driver of ``spherical_kmeans`` (its seeding, stop checks and best-of) over fused kernels
+(:class:`GPUKMeans`): assignment and accumulation in one kernel per iteration with
+deterministic fixed-point sums, and the k-means++ draws of every engine, so CPU and GPU
+start alike.
 
 This module imports CuPy: the engine registry imports it only when the GPU engine is
 asked for.
@@ -55,6 +57,7 @@ import itertools
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cupy as cp
@@ -73,10 +76,15 @@ from geonear.service.engines.base import (
 )
 from geonear.service.engines.gpu_kernels import SOURCE
 from geonear.service.engines.gpu_table import DEVICE_TAKE_FROM, DeviceTable
+from geonear.service.engines.spherical_kmeans import (
+    KMeansBackend,
+    kmeans_plus_plus,
+    lloyd,
+    spherical_kmeans,
+)
 from geonear.service.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
-    unit_vectors_to_latlon,
 )
 
 #: Points per leaf of the index: 8 measured fastest on an H200 among 8-32 (10M points,
@@ -696,138 +704,160 @@ class GPUIndex(PointIndex):
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> KMeansResult:
-        n = self.n_points
-        if not 1 <= k <= n:
-            raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
-        w = None if weights is None else cp.asarray(weights, dtype=cp.float64)
-        best: tuple[float, cp.ndarray, cp.ndarray, int] | None = None
-        for child in np.random.SeedSequence(seed).spawn(max(1, n_init)):
-            rng = np.random.default_rng(child)
-            start = self.seed_kmeans_plus_plus(k, w, rng)
-            centroids, n_iter = self.lloyd(start, weights=w, max_iter=max_iter, tol=tol)
-            labels, inertia = self.assign(centroids, weights=w)
-            if best is None or inertia < best[0]:
-                best = (inertia, centroids, labels, n_iter)
-        assert best is not None
-        inertia, centroids, labels, n_iter = best
-        lat, lon = unit_vectors_to_latlon(centroids, xp=cp)
-        return KMeansResult(
-            centroid_lat=cp.asnumpy(lat),
-            centroid_lon=cp.asnumpy(lon),
-            sizes=cp.asnumpy(cp.bincount(labels, minlength=k)).astype(np.int64),
-            labels=_to_host(labels),
-            inertia_m2=inertia,
-            n_iter=n_iter,
-        )
+        """Spherical k-means by the shared driver (``spherical_kmeans``) over this index's
+        fused kernels (:class:`GPUKMeans`)."""
+        backend = GPUKMeans(self, weights)
+        return spherical_kmeans(backend, k, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol)
 
     def seed_kmeans_plus_plus(
-        self, k: int, weights: cp.ndarray | None, rng: np.random.Generator
+        self, k: int, weights: np.ndarray | None, rng: np.random.Generator
     ) -> cp.ndarray:
-        """k initial centroids (k, 3): ``spherical_kmeans.seed_kmeans_plus_plus`` fused.
-
-        The same draws from ``rng`` against the same distributions (up to float64
-        rounding), with the squared angles to the nearest centre and their weighted
-        masses updated in one kernel per centre.
-        """
-        n = self.n_points
-        w_null = self._by_position(weights)
-        by_weight = cp.cumsum(cp.ones(n) if weights is None else weights)
-        nearest = cp.empty(n, dtype=cp.float64)
-        mass = cp.empty(n, dtype=cp.float64)  # by row, as the draws are
-        chosen = [_draw(by_weight, rng)]
-        fn = _fn("kmeanspp_nearest")
-        for i in range(1, k + 1):
-            centre = np.int64(int(self.rank[chosen[-1]]))
-            args = (self.xyz, w_null, np.int64(n), centre, np.int32(i == 1), self.rows)
-            fn((_blocks(n, 256),), (256,), (*args, nearest, mass))
-            if i == k:
-                break
-            cumulative = cp.cumsum(mass)
-            # With fewer distinct points than clusters every distance is 0: draw by weight.
-            chosen.append(_draw(cumulative if float(cumulative[-1]) > 0.0 else by_weight, rng))
-        return self.xyz[self.rank[cp.asarray(np.array(chosen, dtype=np.int64))]]
+        """k initial centroids (k, 3): the driver's k-means++ draws over the fused kernel."""
+        return kmeans_plus_plus(GPUKMeans(self, weights), k, rng)
 
     def lloyd(
         self,
         centroids: cp.ndarray,
         *,
-        weights: cp.ndarray | None = None,
+        weights: np.ndarray | None = None,
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> tuple[cp.ndarray, int]:
-        """Lloyd iterations from centroids (k, 3) float64; returns (centroids, n_iter).
+        """The driver's Lloyd iterations from centroids (k, 3) over the fused kernels;
+        returns (centroids, n_iter)."""
+        return lloyd(GPUKMeans(self, weights), centroids, max_iter=max_iter, tol=tol)
 
-        Same rule as ``spherical_kmeans.lloyd``: stop after ``max_iter`` or once no
-        centroid moves more than ``tol`` radians; empty clusters keep their centroid.
-        """
-        n, k = self.n_points, int(centroids.shape[0])
-        centroids = cp.array(centroids, dtype=cp.float64, order="C")  # updated in place
-        total_weight = float(n) if weights is None else float(cp.abs(weights).sum())
-        # Fixed point: the sum of all |w x| times scale stays below 2**62.
-        scale = 2.0 ** (61 - max(0, math.ceil(math.log2(max(total_weight, 1.0)))))
-        use_shared = 3 * k * 8 <= 48 * 1024
-        shared = 3 * k * 8 if use_shared else 0
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        grid = min(_blocks(n, 256), sms * 8)
-        sums = cp.empty((k, 3), dtype=cp.uint64)
-        shift = cp.empty(k, dtype=cp.float64)
-        step, update = _fn("kmeans_assign_accumulate"), _fn("kmeans_update")
-        w_positions = self._by_position(weights)
-        n_iter = 0
-        for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is returned
-            sums.fill(0)
-            step(
-                (grid,),
-                (256,),
-                (
-                    self.xyz,
-                    w_positions,
-                    np.int64(n),
-                    centroids,
-                    np.int32(k),
-                    np.float64(scale),
-                    np.int32(use_shared),
-                    sums,
-                ),
-                shared_mem=shared,
-            )
-            update(
-                (_blocks(k),), (_THREADS,), (sums, np.float64(scale), np.int32(k), centroids, shift)
-            )
-            if float(shift.max()) <= tol:
-                break
-        return centroids, n_iter
 
-    def assign(
-        self, centroids: cp.ndarray, *, weights: cp.ndarray | None = None
-    ) -> tuple[cp.ndarray, float]:
-        """(labels int32 (n,), inertia m^2) of every point against centroids (k, 3)."""
-        n, k = self.n_points, int(centroids.shape[0])
+class GPUKMeans(KMeansBackend):
+    """k-means hooks over a :class:`GPUIndex`: fused kernels on its sorted unit vectors.
+
+    - ``seeding_mass``: ``kmeanspp_nearest``, one kernel per centre, updating every
+      point's squared angle to its nearest centre and its weighted mass (by row);
+    - ``cluster_sums``: ``kmeans_assign_accumulate``, assignment and the weighted sums of
+      each cluster in one kernel, in 64-bit fixed point (integer addition is
+      associative, so the run is the same from run to run whatever the order threads
+      add in);
+    - ``update``: ``kmeans_update``, one thread a cluster, the normalised mean and the
+      angle it moved (atan2 form);
+    - ``labels_and_inertia``: ``kmeans_labels``, labels and weighted squared metres, by
+      row.
+    """
+
+    xp = cp
+
+    def __init__(self, index: GPUIndex, weights: np.ndarray | None) -> None:
+        super().__init__(index.n_points, weights, index.earth_radius_m)
+        self.index = index
+        #: Weights in index order, as a kernel argument (null for none).
+        self._weights_by_position = index._by_position(self.weights)
+        self._nearest_sq: cp.ndarray | None = None
+        self._mass: cp.ndarray | None = None
+        self._plan: _LloydPlan | None = None
+
+    def seeding_mass(self, centre_row: int, first: bool) -> cp.ndarray:
+        index, n = self.index, self.n_points
+        if first or self._nearest_sq is None or self._mass is None:
+            self._nearest_sq = cp.empty(n, dtype=cp.float64)
+            self._mass = cp.empty(n, dtype=cp.float64)  # by row, as the draws are
+        centre = np.int64(int(index.rank[centre_row]))
+        args = (index.xyz, self._weights_by_position, np.int64(n), centre, np.int32(first))
+        _fn("kmeanspp_nearest")(
+            (_blocks(n, 256),), (256,), (*args, index.rows, self._nearest_sq, self._mass)
+        )
+        return self._mass
+
+    def centres_at(self, rows: np.ndarray) -> cp.ndarray:
+        index = self.index
+        return index.xyz[index.rank[cp.asarray(rows)]]
+
+    def _lloyd_plan(self, k: int) -> _LloydPlan:
+        if self._plan is None or self._plan.k != k:
+            n = self.n_points
+            w = self.weights
+            total_weight = float(n) if w is None else float(cp.abs(w).sum())
+            # Fixed point: the sum of all |w x| times scale stays below 2**62.
+            scale = 2.0 ** (61 - max(0, math.ceil(math.log2(max(total_weight, 1.0)))))
+            use_shared = 3 * k * 8 <= 48 * 1024
+            sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+            self._plan = _LloydPlan(
+                k=k,
+                scale=scale,
+                use_shared=use_shared,
+                shared_bytes=3 * k * 8 if use_shared else 0,
+                grid=min(_blocks(n, 256), sms * 8),
+                sums=cp.empty((k, 3), dtype=cp.uint64),
+                shift=cp.empty(k, dtype=cp.float64),
+            )
+        return self._plan
+
+    def cluster_sums(self, centroids: cp.ndarray) -> cp.ndarray:
+        """Fixed-point sums (k, 3) uint64, for ``update`` (a buffer reused each step)."""
+        k = int(centroids.shape[0])
+        plan = self._lloyd_plan(k)
+        centroids = cp.ascontiguousarray(centroids, dtype=cp.float64)
+        plan.sums.fill(0)
+        _fn("kmeans_assign_accumulate")(
+            (plan.grid,),
+            (256,),
+            (
+                self.index.xyz,
+                self._weights_by_position,
+                np.int64(self.n_points),
+                centroids,
+                np.int32(k),
+                np.float64(plan.scale),
+                np.int32(plan.use_shared),
+                plan.sums,
+            ),
+            shared_mem=plan.shared_bytes,
+        )
+        return plan.sums
+
+    def update(self, centroids: cp.ndarray, sums: cp.ndarray) -> tuple[cp.ndarray, float]:
+        k = int(centroids.shape[0])
+        plan = self._lloyd_plan(k)
+        new = cp.array(centroids, dtype=cp.float64, order="C")  # the kernel updates in place
+        _fn("kmeans_update")(
+            (_blocks(k),), (_THREADS,), (sums, np.float64(plan.scale), np.int32(k), new, plan.shift)
+        )
+        return new, float(plan.shift.max())
+
+    def labels_and_inertia(self, centroids: cp.ndarray) -> tuple[cp.ndarray, float]:
+        index, n, k = self.index, self.n_points, int(centroids.shape[0])
         labels = cp.empty(n, dtype=cp.int32)
         sq = cp.empty(n, dtype=cp.float64)
         _fn("kmeans_labels")(
             (_blocks(n, 256),),
             (256,),
             (
-                self.xyz,
-                self._by_position(weights),
+                index.xyz,
+                self._weights_by_position,
                 np.int64(n),
                 cp.ascontiguousarray(centroids, dtype=cp.float64),
                 np.int32(k),
                 np.float64(self.earth_radius_m),
-                self.rows,
+                index.rows,
                 labels,
                 sq,
             ),
         )
         return labels, float(sq.sum())
 
+    def to_host(self, a: cp.ndarray) -> np.ndarray:
+        return _to_host(a)
 
-def _draw(cumulative: cp.ndarray, rng: np.random.Generator) -> int:
-    """Index drawn with probability proportional to the increments of ``cumulative``."""
-    target = rng.random() * float(cumulative[-1])
-    idx = int(cp.searchsorted(cumulative, cp.asarray(target), side="right"))
-    return min(idx, int(cumulative.shape[0]) - 1)
+
+@dataclass
+class _LloydPlan:
+    """Launch settings and buffers of the Lloyd kernels for one k."""
+
+    k: int
+    scale: float
+    use_shared: bool
+    shared_bytes: int
+    grid: int
+    sums: cp.ndarray
+    shift: cp.ndarray
 
 
 def _sort_segments(

@@ -21,7 +21,7 @@ from geonear.service.engines.base import (
     sort_neighbours,
     sort_radius,
 )
-from geonear.service.engines.spherical_kmeans import spherical_kmeans
+from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
 from geonear.service.geometry import angle_between, great_circle_m, unit_vectors
 
 #: Bound on the number of (query, point) pairs evaluated at once by brute force.
@@ -266,17 +266,8 @@ class HostIndex(PointIndex):
         max_iter: int = 100,
         tol: float = 1e-6,
     ) -> KMeansResult:
-        return spherical_kmeans(
-            self.xyz,
-            k,
-            weights=weights,
-            seed=seed,
-            n_init=n_init,
-            max_iter=max_iter,
-            tol=tol,
-            earth_radius_m=self.earth_radius_m,
-            xp=np,
-        )
+        backend = ArrayKMeans(self.xyz, weights, self.earth_radius_m, np)
+        return spherical_kmeans(backend, k, seed=seed, n_init=n_init, max_iter=max_iter, tol=tol)
 
 
 class HostEngine(Engine):
