@@ -31,6 +31,7 @@ from geonear.clients.cli_options import (
 )
 from geonear.clients.client import Client
 from geonear.clients.errors import GeoNearError
+from geonear.clients.filters import where_from_arguments
 
 _console = Console()
 #: Rows printed unless --limit or --all says otherwise.
@@ -448,6 +449,39 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _WhereAction(argparse.Action):
+    """``--where`` and ``--or-where`` append to one list, in command-line order."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append(("or" if option == "--or-where" else "and", str(values)))
+        setattr(namespace, self.dest, items)
+
+
+def _add_where(p: argparse.ArgumentParser, what: str = "search only the points") -> None:
+    p.add_argument(
+        "--where",
+        action=_WhereAction,
+        dest="where",
+        metavar="EXPR",
+        help=f"{what} where EXPR holds: COLUMN OP VALUE with OP one of ==, "
+        "!=, <, <=, >, >=, in, not in, e.g. \"country == 'FR'\", 'pop >= 10000', "
+        "\"kind in ('a', 'b')\"; repeat to AND them (default: every point)",
+    )
+    p.add_argument(
+        "--or-where",
+        action=_WhereAction,
+        dest="where",
+        metavar="EXPR",
+        help="start another group of --where conditions, ORed with the ones before: "
+        "--where A --where B --or-where C reads (A and B) or C",
+    )
+
+
+def _where(args: argparse.Namespace) -> Any:
+    return where_from_arguments(getattr(args, "where", None))
+
+
 def _query_points(args: argparse.Namespace) -> tuple[Any, Any]:
     """(queries, None) for --queries FILE, else (lat, lon) of --lat/--lon."""
     if args.queries:
@@ -489,6 +523,7 @@ def _knn(client: Client, args: argparse.Namespace) -> int:
         lon,
         k=args.k,
         max_distance_m=args.max_distance_m,
+        where=_where(args),
         columns=_columns(args),
         query_columns=True if lon is None else None,
     )
@@ -503,12 +538,62 @@ def _radius(client: Client, args: argparse.Namespace) -> int:
         lat,
         lon,
         radius_m=args.radius_m,
+        where=_where(args),
         columns=_columns(args),
         query_columns=True if lon is None else None,
         max_per_query=args.max_per_query,
         sort=args.sort,
     )
     _write_or_print(frame, args, f"within {args.radius_m} m in {args.name}")
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def _knn_join(client: Client, args: argparse.Namespace) -> int:
+    frame = client.knn_join(
+        args.left,
+        args.right,
+        args.k,
+        max_distance_m=args.max_distance_m,
+        where=_where(args),
+        left_columns=_names(args.left_columns),
+        right_columns=_names(args.right_columns),
+    )
+    _write_or_print(frame, args, f"{args.k} nearest in {args.right} of each point of {args.left}")
+    return 0
+
+
+def _radius_join(client: Client, args: argparse.Namespace) -> int:
+    frame = client.radius_join(
+        args.left,
+        args.right,
+        args.radius_m,
+        where=_where(args),
+        left_columns=_names(args.left_columns),
+        right_columns=_names(args.right_columns),
+    )
+    _write_or_print(
+        frame, args, f"points of {args.right} within {args.radius_m} m of each of {args.left}"
+    )
+    return 0
+
+
+def _count_within(client: Client, args: argparse.Namespace) -> int:
+    if args.left is not None:
+        if args.queries or args.lat is not None or args.lon is not None:
+            raise ValueError("give --left NAME or query points (--lat/--lon, --queries), not both")
+        frame = client.count_within(
+            args.name, left=args.left, radius_m=args.radius_m, where=_where(args)
+        )
+        title = f"points of {args.name} within {args.radius_m} m of each of {args.left}"
+    else:
+        lat, lon = _query_points(args)
+        frame = client.count_within(args.name, lat, lon, args.radius_m, where=_where(args))
+        title = f"points of {args.name} within {args.radius_m} m"
+    _write_or_print(frame, args, title)
     return 0
 
 
@@ -631,6 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out neighbours farther than this (default: no bound)",
     )
     _add_columns(p)
+    _add_where(p)
     _add_output(p)
     p = _client_parser(
         sub, "radius", "points within a radius of query points", _run_client(_radius)
@@ -655,7 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="order of each query's points by distance",
     )
     _add_columns(p)
+    _add_where(p)
     _add_output(p)
+    _add_join_commands(sub)
     p = _client_parser(sub, "matrix", "great-circle distance matrix, metres", _run_client(_matrix))
     p.add_argument("name", nargs="?", default=None, help="dataset whose points are the columns")
     _add_points(p)
@@ -688,6 +776,71 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p, "each point's cluster (id, cluster)")
     _add_tool_commands(sub)
     return parser
+
+
+def _add_join_commands(sub: Any) -> None:
+    """knn-join, radius-join and count-within: stored datasets queried in the server."""
+    p = _client_parser(
+        sub,
+        "knn-join",
+        "the k nearest points of RIGHT to every point of LEFT, both stored datasets",
+        _run_client(_knn_join),
+    )
+    p.add_argument("left", help="dataset whose points are the queries")
+    p.add_argument("right", help="dataset searched (may be LEFT itself)")
+    p.add_argument("-k", type=int, default=1, help="neighbours per left point")
+    p.add_argument(
+        "--max-distance-m",
+        type=float,
+        default=None,
+        metavar="METRES",
+        help="leave out neighbours farther than this (default: no bound)",
+    )
+    _add_join_columns(p)
+    _add_where(p, "search only the points of RIGHT")
+    _add_output(p)
+    p = _client_parser(
+        sub,
+        "radius-join",
+        "every point of RIGHT within a radius of each point of LEFT, both stored datasets",
+        _run_client(_radius_join),
+    )
+    p.add_argument("left", help="dataset whose points are the queries")
+    p.add_argument("right", help="dataset searched (may be LEFT itself)")
+    p.add_argument(
+        "--radius-m", type=float, required=True, metavar="METRES", help="search radius, metres"
+    )
+    _add_join_columns(p)
+    _add_where(p, "search only the points of RIGHT")
+    _add_output(p)
+    p = _client_parser(
+        sub,
+        "count-within",
+        "how many points of a dataset lie within a radius of each query point, or of "
+        "each point of another dataset (--left); only the counts are sent",
+        _run_client(_count_within),
+    )
+    p.add_argument("name", help="dataset whose points are counted")
+    _add_points(p)
+    p.add_argument("--left", metavar="NAME", help="count around every point of this stored dataset")
+    p.add_argument("--radius-m", type=float, required=True, metavar="METRES", help="radius, metres")
+    _add_where(p, "count only the points of NAME")
+    _add_output(p)
+
+
+def _add_join_columns(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--left-columns",
+        default="",
+        metavar="NAMES",
+        help="columns of LEFT to add, comma-separated (a name taken on both sides ends in _left)",
+    )
+    p.add_argument(
+        "--right-columns",
+        default="",
+        metavar="NAMES",
+        help="columns of RIGHT to add, comma-separated (a name taken on both sides ends in _right)",
+    )
 
 
 def _add_tool_commands(sub: Any) -> None:
@@ -742,6 +895,7 @@ _CLI_WORDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"pass id=False / --row-ids", "pass --row-ids"),
         (r"\bmax_distance_m\b", "--max-distance-m"),
         (r"\bradius_m\b", "--radius-m"),
+        (r"^where: ", "--where: "),
     )
 )
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 from analytics_data import (
@@ -26,6 +27,7 @@ from analytics_data import (
 )
 
 from geonear._wire import messages_to_table
+from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument, NotFound, ResourceExhausted
 from geonear.service.queries import counts as counts_module
@@ -149,8 +151,6 @@ def test_string_ids_of_the_left_dataset_come_back_as_left_id(loaded: Client) -> 
 
 
 def test_query_frames_keep_their_index_and_large_sets_go_in_parts(loaded: Client) -> None:
-    import pandas as pd
-
     frame = pd.DataFrame({"lat": [10.0, 0.0], "lon": [20.0, 0.0]}, index=["here", "there"])
     found = loaded.count_within("pts", frame, radius_m=0.0)
     assert found.index.tolist() == ["here", "there"] and found["count"].tolist() == [3, 0]
@@ -210,3 +210,30 @@ def test_counts_beyond_max_result_rows_are_refused_before_counting() -> None:
             assert len(client.count_within("pts", np.zeros(100), np.zeros(100), 1.0)) == 100
     finally:
         parts.stop(None)
+
+
+# -- the command line -------------------------------------------------------------------
+def test_count_within_command(
+    loaded: Client, server: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["count-within", "pts", "--lat", "10,0", "--lon", "20,0", "--radius-m", "0",
+         "--target", server.target]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and "count" in printed and "query_index" in printed
+    out = tmp_path / "counts.csv"
+    code = main(
+        ["count-within", "pts", "--left", "pts", "--radius-m", "500000", "--target",
+         server.target, "--where", "kind == 'a'", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    written = pd.read_csv(out)
+    want = loaded.count_within("pts", left="pts", radius_m=500_000.0, where=[("kind", "==", "a")])
+    assert written["left_id"].tolist() == want["left_id"].tolist()
+    assert written["count"].tolist() == want["count"].tolist()
+    code = main(
+        ["count-within", "pts", "--left", "pts", "--lat", "1", "--lon", "2", "--radius-m", "1",
+         "--target", server.target]
+    )  # fmt: skip
+    assert code == 2 and "not both" in capsys.readouterr().err

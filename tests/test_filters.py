@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -34,9 +35,10 @@ from analytics_data import (
 )
 from test_engine_parity import assert_same_neighbours
 
+from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument
-from geonear.clients.filters import filter_message
+from geonear.clients.filters import filter_message, parse_expression, where_from_arguments
 from geonear.service.engines import create_engine
 from geonear.service.queries.filters import (
     FilteredIndexes,
@@ -484,3 +486,71 @@ def test_the_mask_is_the_pyarrow_filter_of_the_table(store: DatasetStore) -> Non
         pc.equal(T["maybe"], 2),
     ).fill_null(False)
     np.testing.assert_array_equal(mask, expected.to_numpy())
+
+
+# -- the command line -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("expression", "predicate"),
+    [
+        ("country == 'FR'", ("country", "==", "FR")),
+        ("country = FR", ("country", "==", "FR")),
+        ("pop>=10000", ("pop", ">=", 10000)),
+        ("score < -1.5e3", ("score", "<", -1500.0)),
+        ("flag != true", ("flag", "!=", True)),
+        ("code == '007'", ("code", "==", "007")),
+        ("kind in ('a', \"b, c\")", ("kind", "in", ["a", "b, c"])),
+        ("n NOT IN [1, 2]", ("n", "not in", [1, 2])),
+        ("`my col` == x", ("my col", "==", "x")),
+        ("when >= '2024-05-01T12:00Z'", ("when", ">=", "2024-05-01T12:00Z")),
+    ],
+)
+def test_where_expressions_read_as_predicates(expression: str, predicate: tuple) -> None:
+    assert parse_expression(expression) == predicate
+
+
+@pytest.mark.parametrize(
+    "expression", ["country", "pop >=", "kind in 'a'", "name == 'open", "x == a b", "y in (1,,2)"]
+)
+def test_unreadable_where_expressions_say_how_to_write_one(expression: str) -> None:
+    with pytest.raises(ValueError, match="--where"):
+        parse_expression(expression)
+
+
+def test_or_where_starts_a_new_group() -> None:
+    items = [("and", "a == 1"), ("and", "b == 2"), ("or", "c == 3"), ("and", "d == 4")]
+    assert where_from_arguments(items) == [
+        [("a", "==", 1), ("b", "==", 2)],
+        [("c", "==", 3), ("d", "==", 4)],
+    ]
+    assert where_from_arguments(None) is None
+
+
+def test_knn_and_radius_commands_take_where(
+    loaded: Client, server: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "knn.csv"
+    code = main(
+        ["knn", "pts", "--lat", "10", "--lon", "20", "-k", "50", "--target", server.target,
+         "--where", "kind in ('a', 'b')", "--where", "bucket < 50", "--or-where", "bucket == 99",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    kind, bucket = _numpy(T, "kind"), BUCKET
+    expected = _rows((np.isin(kind, ["a", "b"]) & (bucket < 50)) | (bucket == 99))
+    ids = set(pd.read_csv(out)["id"].tolist())
+    assert len(ids) == 50 and ids <= expected
+    code = main(
+        ["radius", "pts", "--lat", "10", "--lon", "20", "--radius-m", "3000000",
+         "--target", server.target, "--where", "flag == true", "--all"]
+    )  # fmt: skip
+    assert code == 0
+    assert "within 3000000.0 m in pts" in capsys.readouterr().out
+    code = main(
+        ["knn", "pts", "--lat", "10", "--lon", "20", "--target", server.target,
+         "--where", "kind < 3"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("geonear: INVALID_ARGUMENT: --where: column 'kind'")
+    assert len(err.strip().splitlines()) == 1
+    assert main(["knn", "pts", "--lat", "1", "--lon", "2", "--where", "kind"]) == 2
+    assert "COLUMN OP VALUE" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from analytics_data import (
 )
 from test_engine_parity import assert_same_neighbours
 
+from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument, NotFound, ResourceExhausted
 from geonear.service.geometry import great_circle_m
@@ -274,3 +275,36 @@ def test_joins_beyond_max_result_rows_are_refused_before_the_search() -> None:
             assert len(client.knn_join("pts", "pts", 1, where=[("bucket", "<", 0)])) == 0
     finally:
         parts.stop(None)
+
+
+# -- the command line -------------------------------------------------------------------
+def test_join_commands(
+    loaded: Client, server: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "join.csv"
+    code = main(
+        ["knn-join", "stores", "pts", "-k", "2", "--target", server.target,
+         "--left-columns", "kind", "--right-columns", "kind,bucket",
+         "--where", "bucket >= 50", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    written = pd.read_csv(out)
+    want = loaded.knn_join(
+        "stores", "pts", 2, left_columns="kind", right_columns=["kind", "bucket"],
+        where=[("bucket", ">=", 50)],
+    )  # fmt: skip
+    assert written["right_id"].tolist() == want["right_id"].tolist()
+    assert list(written.columns) == list(want.columns)
+    assert (written["bucket"] >= 50).all()
+    capsys.readouterr()
+    code = main(
+        ["radius-join", "stores", "pts", "--radius-m", "500000", "--target", server.target,
+         "--limit", "3"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and "within 500000.0 m of each of" in " ".join(printed.split())
+    assert "more rows" in printed
+    assert (
+        main(["radius-join", "stores", "nope", "--radius-m", "1", "--target", server.target]) == 1
+    )
+    assert "NOT_FOUND" in capsys.readouterr().err
