@@ -4,7 +4,7 @@ The engine list is every engine geonear knows except the reference; an engine th
 host cannot run (a GPU engine without a GPU) is skipped with the reason its factory
 gives, so the same file runs unchanged on a GPU machine (``pytest -m gpu``).
 
-Exactness (DESIGN.md): ids and order match the reference except among neighbours whose
+Exactness (docs/design.md): ids and order match the reference except among neighbours whose
 distances differ by less than 1 mm; distances agree to 1 mm.
 """
 
@@ -38,7 +38,7 @@ REFERENCE = "numpy-brute"
 #: Distances closer than this are ties for the exactness rule, metres.
 TIE_M = 1e-3
 HALF_CIRCUMFERENCE_M = math.pi * EARTH_RADIUS_M
-#: Largest error of a float32 distance matrix, metres (DESIGN.md: "about 2-3 m").
+#: Largest error of a float32 distance matrix, metres (docs/design.md: "up to about 4 m").
 FLOAT32_MAX_ERROR_M = 4.0
 
 ENGINE_NAMES = [n for n in engine_names() if n != REFERENCE]
@@ -98,7 +98,7 @@ def assert_same_neighbours(
     queries: tuple[np.ndarray, np.ndarray] | None = None,
     points: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
-    """Assert ``result`` is the reference's answer under DESIGN.md's exactness rule.
+    """Assert ``result`` is the reference's answer under docs/design.md's exactness rule.
 
     Per query: the same number of neighbours; distances within 1 mm position by
     position; the same ids in the same order, except that within a run of reference

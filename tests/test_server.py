@@ -2,7 +2,7 @@
 
 Covers every RPC, health checking and reflection, versioning (failed uploads, queries
 holding an old version), persistence across restarts, and the status code and message
-of each bad input DESIGN.md names, after which the server must keep answering.
+of each bad input docs/errors.md lists (docs/design.md), after which the server must keep answering.
 """
 
 from __future__ import annotations
