@@ -67,7 +67,7 @@ class Limits(BaseSettings):
     max_result_rows: int = Field(
         0,
         ge=0,
-        description="most result rows of one Knn, Radius or KMeans labels answer; "
+        description="most result rows of one Knn, Radius, join, count or KMeans labels answer; "
         "0: sized to the host (physical memory / 1200 bytes, 1M to 500M)",
     )
 
