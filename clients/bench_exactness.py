@@ -2,7 +2,7 @@
 
 Each check takes the engine's answer and the reference (computed by ``bench`` on the
 first ``ref_queries`` queries) and returns ``(metrics, exact)``: a dict for the JSON and
-a verdict (None where exactness does not apply). The rule is DESIGN.md's: the same rows
+a verdict (None where exactness does not apply). The rule is docs/design.md's: the same rows
 in the same order, except among neighbours whose distances differ by less than 1 mm, and
 distances within 1 mm. An engine's distances are never trusted to judge its own rows:
 every returned row is re-measured with the reference formula, so an engine that returns

@@ -229,7 +229,10 @@ def print_served(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     totals = Table(title=f"{doc['data']}: in-process vs served", title_justify="left")
-    names = ("engine", "in-process ms", "served ms", "x", "+ pandas ms", "per-query ms", "rows", "MB")
+    names = (
+        *("engine", "in-process ms", "served ms", "x"),
+        *("+ pandas ms", "per-query ms", "rows", "MB"),
+    )
     for name in names:
         totals.add_column(name, justify="left" if name == "engine" else "right")
     for r in doc["results"]:

@@ -1,7 +1,7 @@
 """The client's exception hierarchy.
 
 Every error a geonear call raises is a :class:`GeoNearError`; its subclasses mirror the
-gRPC status codes the server uses (DESIGN.md). Each carries the status ``code`` (a
+gRPC status codes the server uses (docs/design.md). Each carries the status ``code`` (a
 ``grpc.StatusCode``) and the server's ``message``; the underlying ``grpc.RpcError`` is
 kept as ``__cause__``.
 
