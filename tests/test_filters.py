@@ -235,15 +235,25 @@ def test_timestamps_compare_as_instants_from_any_spelling(loaded: Client) -> Non
     assert _selected(loaded, "pts", [("when", "<", dt.date(2024, 1, 2))]) == _rows(minutes < 1440)
 
 
-def test_date_and_dictionary_columns_filter(client: Client) -> None:
+def test_date_dictionary_and_narrow_float_columns_filter(client: Client) -> None:
     t = TABLES["uniform"].slice(0, 200)
     days = pa.array([dt.date(2024, 1, 1) + dt.timedelta(days=i % 10) for i in range(200)])
-    t = t.append_column("day", days).append_column(
-        "code", pa.array([f"c{i % 3}" for i in range(200)]).dictionary_encode()
+    t = (
+        t.append_column("day", days)
+        .append_column("code", pa.array([f"c{i % 3}" for i in range(200)]).dictionary_encode())
+        .append_column("half", pa.array((np.arange(200) % 4 / 2).astype(np.float16)))
+        .append_column("single", pa.array(np.full(200, 0.1, dtype=np.float32)))
     )
     client.upload("pts", t)
-    assert _selected(client, "pts", [("day", "<", "2024-01-03")]) == _rows(np.arange(200) % 10 < 2)
-    assert _selected(client, "pts", [("code", "==", "c1")]) == _rows(np.arange(200) % 3 == 1)
+    rows = np.arange(200)
+    assert _selected(client, "pts", [("day", "<", "2024-01-03")]) == _rows(rows % 10 < 2)
+    assert _selected(client, "pts", [("code", "==", "c1")]) == _rows(rows % 3 == 1)
+    assert _selected(client, "pts", [("half", ">=", 1)]) == _rows(rows % 4 >= 2)
+    assert _selected(client, "pts", [("half", "in", [0.5])]) == _rows(rows % 4 == 1)
+    # float32's 0.1 is not the double 0.1: compared exactly, as doubles.
+    assert _selected(client, "pts", [("single", "==", 0.1)]) == set()
+    assert _selected(client, "pts", [("single", "in", [0.1])]) == set()
+    assert len(_selected(client, "pts", [("single", "==", float(np.float32(0.1)))])) == 200
 
 
 @pytest.mark.parametrize(

@@ -354,6 +354,9 @@ def _comparable(column: pa.ChunkedArray, p: _Checked) -> pa.ChunkedArray:
     if pa.types.is_dictionary(t):
         column = column.cast(t.value_type)
         t = t.value_type
+    if p.kind == "float" and t != pa.float64():
+        # Exact, and the values are doubles: float32 0.1 is not the double 0.1.
+        return column.cast(pa.float64())
     if p.kind == "time":
         tz = t.tz if pa.types.is_timestamp(t) else None
         try:
