@@ -308,6 +308,14 @@ def test_malformed_filters_are_refused_by_the_server(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_filter_of_too_many_predicates_is_refused(loaded: Client) -> None:
+    many = [[("bucket", "==", i)] for i in range(1001)]
+    with pytest.raises(InvalidArgument, match="1001 predicates"):
+        loaded.knn("pts", 0.0, 0.0, k=1, where=many)
+    one_list = [("bucket", "in", list(range(100_000)))]
+    assert _selected(loaded, "pts", one_list) == _rows(BUCKET >= 0)
+
+
 def test_an_empty_filter_selects_every_point(loaded: Client, stub: pb_grpc.GeoNearStub) -> None:
     request = pb.KnnRequest(
         dataset="pts", queries=pb.Points(lat=[1.0], lon=[2.0]), k=5, where=pb.Filter()

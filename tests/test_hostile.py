@@ -1304,6 +1304,9 @@ RPCS = {
     "DistanceMatrix": True,
     "KMeans": True,
     "ServerInfo": False,
+    "CountWithin": True,
+    "KnnJoin": True,
+    "RadiusJoin": True,
 }
 
 

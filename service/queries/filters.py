@@ -47,6 +47,9 @@ from geonear.service.errors import InvalidInput
 from geonear.service.settings import physical_memory_bytes
 from geonear.service.store import DatasetVersion, column_numpy
 
+#: Most predicates of one filter: each costs a pass over the dataset's column, so a
+#: request of a million of them would hold a thread for hours.
+MAX_PREDICATES = 1000
 #: The ops of a predicate; "=" is taken for "==", as pyarrow takes it.
 OPS = ("==", "!=", "<", "<=", ">", ">=", "in", "not in")
 _ORDERING = ("<", "<=", ">", ">=")
@@ -103,6 +106,12 @@ def parse_filter(where: Any) -> Filter | None:
         if not group:
             raise InvalidInput("where: a conjunction (inner list) needs at least one predicate")
         conjunctions.append(tuple(_predicate(p) for p in group))
+    count = sum(len(group) for group in conjunctions)
+    if count > MAX_PREDICATES:
+        raise InvalidInput(
+            f"where: {count} predicates, more than a filter may hold ({MAX_PREDICATES}); "
+            "use 'in' with a list for many values of one column"
+        )
     return tuple(conjunctions)
 
 
