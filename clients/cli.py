@@ -660,6 +660,46 @@ def _kmeans(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _dbscan(client: Client, args: argparse.Namespace) -> int:
+    out = client.dbscan(
+        args.name,
+        args.eps_m,
+        args.min_samples,
+        where=_where(args),
+        return_labels=bool(args.out),
+    )
+    sizes = pd.DataFrame({"cluster": range(out.n_clusters), "size": list(out.sizes)})
+    _print_frame(sizes, f"{out.n_clusters} clusters of {args.name}", _limit(args))
+    _console.print(f"{out.n_noise} noise points", highlight=False)
+    if args.out:
+        from geonear.loaders import write_table
+
+        assert out.labels is not None
+        rows = write_table(out.labels, args.out)
+        _console.print(f"wrote {rows} labels (id, cluster) to {args.out}", highlight=False)
+    return 0
+
+
+def _within(client: Client, args: argparse.Namespace) -> int:
+    if (args.bbox is None) == (args.polygon is None):
+        raise ValueError("give --bbox MIN_LAT,MIN_LON,MAX_LAT,MAX_LON or --polygon FILE")
+    if args.bbox is not None:
+        if len(args.bbox) != 4:
+            raise ValueError(
+                f"--bbox takes 4 numbers, MIN_LAT,MIN_LON,MAX_LAT,MAX_LON; got {len(args.bbox)}"
+            )
+        frame = client.within(args.name, bbox=args.bbox, columns=_columns(args), where=_where(args))
+        title = f"points of {args.name} in the box"
+    else:
+        polygon = Path(args.polygon).read_text(encoding="utf-8")
+        frame = client.within(
+            args.name, polygon=polygon, columns=_columns(args), where=_where(args)
+        )
+        title = f"points of {args.name} in {args.polygon}"
+    _write_or_print(frame, args, title)
+    return 0
+
+
 def _server_info(client: Client, args: argparse.Namespace) -> int:
     i = client.server_info()
     _console.print(
@@ -774,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weights", default=None, help="numeric column holding point weights")
     _add_output(p, "each point's cluster (id, cluster)")
+    _add_area_commands(sub)
     _add_tool_commands(sub)
     return parser
 
@@ -825,6 +866,50 @@ def _add_join_commands(sub: Any) -> None:
     p.add_argument("--left", metavar="NAME", help="count around every point of this stored dataset")
     p.add_argument("--radius-m", type=float, required=True, metavar="METRES", help="radius, metres")
     _add_where(p, "count only the points of NAME")
+    _add_output(p)
+
+
+def _add_area_commands(sub: Any) -> None:
+    """dbscan and within: density clusters of a dataset, and its points in an area."""
+    p = _client_parser(sub, "dbscan", "DBSCAN density clusters of a dataset", _run_client(_dbscan))
+    p.add_argument("name", help="dataset to cluster")
+    p.add_argument(
+        "--eps-m",
+        type=float,
+        required=True,
+        metavar="METRES",
+        help="neighbourhood radius, great-circle metres",
+    )
+    p.add_argument(
+        "--min-samples",
+        type=int,
+        required=True,
+        metavar="N",
+        help="points a neighbourhood needs (the point included) for a core point",
+    )
+    _add_where(p, "cluster only the points")
+    _add_output(p, "each clustered point's cluster (id, cluster; -1 noise)")
+    p = _client_parser(
+        sub,
+        "within",
+        "the points of a dataset inside a box or a polygon",
+        _run_client(_within),
+    )
+    p.add_argument("name", help="dataset whose points are returned")
+    p.add_argument(
+        "--bbox",
+        type=_floats,
+        metavar="MIN_LAT,MIN_LON,MAX_LAT,MAX_LON",
+        help="a box, degrees, bounds included; MIN_LON > MAX_LON crosses the antimeridian; "
+        "one that starts with a minus: --bbox=-10,170,10,-170",
+    )
+    p.add_argument(
+        "--polygon",
+        metavar="FILE",
+        help="a GeoJSON Polygon or MultiPolygon (or a Feature of one); edges are great-circle arcs",
+    )
+    _add_columns(p)
+    _add_where(p, "return only the points")
     _add_output(p)
 
 

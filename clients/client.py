@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import itertools
+import json
 import os
 import re
 import tempfile
@@ -63,6 +64,30 @@ class KMeansOutcome:
     n_iter: int
     earth_radius_m: float
     labels: pd.DataFrame | None = None
+
+
+@dataclass(frozen=True)
+class DbscanOutcome:
+    """DBSCAN result: clusters, their sizes (cluster number order), noise, labels.
+
+    ``labels`` (id, cluster; -1 for noise) covers the clustered points, in row order,
+    when they were asked for.
+    """
+
+    n_clusters: int
+    sizes: tuple[int, ...]
+    n_noise: int
+    earth_radius_m: float
+    dataset_version: int
+    labels: pd.DataFrame | None = None
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(map(str, self.sizes[:8])) + (", ..." if len(self.sizes) > 8 else "")
+        labels = "None" if self.labels is None else f"<{len(self.labels)} rows>"
+        return (
+            f"DbscanOutcome(n_clusters={self.n_clusters}, sizes=[{sizes}], "
+            f"n_noise={self.n_noise}, labels={labels})"
+        )
 
 
 def _split_ids(ids: Iterable[Any]) -> tuple[list[int], list[str]]:
@@ -832,6 +857,101 @@ class Client:
             earth_radius_m=summary.earth_radius_m,
             labels=labels,
         )
+
+    def dbscan(
+        self,
+        name: str,
+        eps_m: float,
+        min_samples: int,
+        *,
+        where: Any = None,
+        return_labels: bool = True,
+    ) -> DbscanOutcome:
+        """DBSCAN density clusters of dataset ``name`` by great-circle distance.
+
+        Parameters
+        ----------
+        eps_m : float
+            Neighbourhood radius, metres (> 0); a point at exactly eps_m is a neighbour.
+        min_samples : int
+            Points a neighbourhood needs, the point itself included, for a core point.
+        where : list of tuples, optional
+            Cluster only the points this attribute filter selects (see :meth:`knn`).
+        return_labels : bool
+            Also fetch each clustered point's label (id, cluster; -1 for noise).
+
+        Returns
+        -------
+        DbscanOutcome
+            Clusters numbered 0, 1, ... in the order of their first row.
+        """
+        request = pb.DbscanRequest(
+            dataset=name,
+            eps_m=eps_m,
+            min_samples=min_samples,
+            where=filter_message(where),
+            return_labels=return_labels,
+        )
+        messages = self._stream("Dbscan", request)
+        summary = messages[0].summary
+        labels = None
+        if return_labels:
+            labels = messages_to_table(m.labels for m in messages[1:]).to_pandas()
+        return DbscanOutcome(
+            n_clusters=int(summary.n_clusters),
+            sizes=tuple(int(s) for s in summary.sizes),
+            n_noise=int(summary.n_noise),
+            earth_radius_m=summary.earth_radius_m,
+            dataset_version=int(summary.dataset_version),
+            labels=labels,
+        )
+
+    def within(
+        self,
+        name: str,
+        *,
+        bbox: Sequence[float] | None = None,
+        polygon: Any = None,
+        columns: str | Sequence[str] | None = (),
+        where: Any = None,
+        as_arrow: bool = False,
+    ) -> pd.DataFrame | pa.Table:
+        """The points of dataset ``name`` inside a box or a polygon, in row order.
+
+        Parameters
+        ----------
+        bbox : (min_lat, min_lon, max_lat, max_lon), degrees, optional
+            Bounds included; ``min_lon > max_lon`` crosses the antimeridian.
+        polygon : optional
+            A GeoJSON Polygon or MultiPolygon (a dict or its text), WKB bytes, or a
+            shapely geometry; edges are great-circle arcs and the boundary is inside.
+            Give ``bbox`` or ``polygon``.
+        columns : str or list of str
+            Attribute columns to add after id, lat and lon.
+        where : list of tuples, optional
+            Return only the points this attribute filter selects too (see :meth:`knn`).
+        as_arrow : bool
+            Return a pyarrow Table.
+        """
+        if (bbox is None) == (polygon is None):
+            raise TypeError("within() needs bbox= or polygon= (one of the two)")
+        request = pb.WithinRequest(
+            dataset=name, columns=_column_list(columns), where=filter_message(where)
+        )
+        if bbox is not None:
+            min_lat, min_lon, max_lat, max_lon = (float(v) for v in bbox)
+            request.bbox.CopyFrom(
+                pb.BoundingBox(min_lat=min_lat, min_lon=min_lon, max_lat=max_lat, max_lon=max_lon)
+            )
+        elif isinstance(polygon, bytes | bytearray | memoryview):
+            request.polygon_wkb = bytes(polygon)
+        else:
+            if hasattr(polygon, "__geo_interface__"):
+                polygon = polygon.__geo_interface__
+            text = polygon if isinstance(polygon, str) else json.dumps(polygon)
+            request.polygon_geojson = text.encode("utf-8")
+        table = self._arrow("Within", request)
+        return table if as_arrow else table.to_pandas()
 
 
 def connect(

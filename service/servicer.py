@@ -24,11 +24,13 @@ from geonear._wire import (
     table_to_messages,
     tables_to_messages,
 )
+from geonear.service.analytics.areas import Bbox, SphericalPolygon
 from geonear.service.batching import Batcher
 from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
 from geonear.service.pipeline import prefetched
+from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows
 from geonear.service.queries.counts import count_query, count_tables
@@ -56,6 +58,12 @@ from geonear.service.queries.radius import (
     radius_query,
     radius_query_async,
     radius_slices,
+)
+from geonear.service.queries.within import (
+    bbox_area,
+    polygon_area,
+    within_query,
+    within_tables,
 )
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
@@ -685,6 +693,59 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
             yield from _sent(tables(), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+
+    def Dbscan(self, request, context):
+        with _translate(context):
+            dataset = self.store.get(request.dataset)
+            answer = dbscan_query.dbscan(
+                dataset,
+                float(request.eps_m),
+                int(request.min_samples),
+                points=self._selection(dataset, request),
+                return_labels=request.return_labels,
+                earth_radius_m=self.engine.earth_radius_m,
+                limits=self.limits,
+                should_stop=lambda: not context.is_active(),
+            )
+            result = answer.result
+            yield pb.DbscanResponse(
+                summary=pb.DbscanSummary(
+                    n_clusters=result.n_clusters,
+                    sizes=result.sizes.tolist(),
+                    n_noise=result.n_noise,
+                    earth_radius_m=self.engine.earth_radius_m,
+                    dataset_version=dataset.version,
+                )
+            )
+            if request.return_labels:
+                for message in table_to_messages(dbscan_query.label_table(answer)):
+                    yield pb.DbscanResponse(labels=message)
+
+    def Within(self, request, context):
+        timing = StageTimes()
+        with _translate(context):
+            with timing.stage("decode"):
+                dataset = self.store.get(request.dataset)
+                area = self._area(request)
+                selected = selected_rows(dataset, _where(request))
+            with timing.stage("search"):
+                query = within_query(
+                    dataset, area, selected=selected, columns=request.columns, limits=self.limits
+                )
+            tables = within_tables(query, context.is_active)
+            yield from _sent(timing.timed(tables, "assemble"), timing)
+        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+
+    def _area(self, request: pb.WithinRequest) -> Bbox | SphericalPolygon:
+        kind = request.WhichOneof("area")
+        if kind == "bbox":
+            b = request.bbox
+            return bbox_area(b.min_lat, b.min_lon, b.max_lat, b.max_lon)
+        if kind == "polygon_geojson":
+            return polygon_area(geojson=request.polygon_geojson)
+        if kind == "polygon_wkb":
+            return polygon_area(wkb=request.polygon_wkb)
+        raise InvalidInput("give an area: bbox, polygon_geojson or polygon_wkb")
 
     def ServerInfo(self, request, context):
         used, total = self.engine.memory_pool_bytes()

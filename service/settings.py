@@ -70,6 +70,13 @@ class Limits(BaseSettings):
         description="most result rows of one Knn, Radius, join, count or KMeans labels answer; "
         "0: sized to the host (physical memory / 1200 bytes, 1M to 500M)",
     )
+    # As the analytics layer's default: 1M points with 64 neighbours each, about 1.6 GB
+    # of links at the peak of one run.
+    max_dbscan_pairs: int = Field(
+        1 << 26,
+        ge=1,
+        description="most (point, neighbour) pairs within eps_m of one Dbscan call",
+    )
 
     def dataset_host_bytes(self) -> int:
         """The host budget in force: the setting, or 3/4 of physical memory for 0."""

@@ -1307,6 +1307,8 @@ RPCS = {
     "CountWithin": True,
     "KnnJoin": True,
     "RadiusJoin": True,
+    "Dbscan": True,
+    "Within": True,
 }
 
 

@@ -65,4 +65,6 @@ def test_installed_stubs_are_the_committed_ones() -> None:
         "CountWithin",
         "KnnJoin",
         "RadiusJoin",
+        "Dbscan",
+        "Within",
     }

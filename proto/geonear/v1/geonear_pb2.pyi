@@ -440,6 +440,58 @@ class RadiusJoinRequest(_message.Message):
     layout: ResultLayout
     def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
 
+class DbscanRequest(_message.Message):
+    __slots__ = ("dataset", "eps_m", "min_samples", "where", "return_labels")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPS_M_FIELD_NUMBER: _ClassVar[int]
+    MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    eps_m: float
+    min_samples: int
+    where: Filter
+    return_labels: bool
+    def __init__(self, dataset: _Optional[str] = ..., eps_m: _Optional[float] = ..., min_samples: _Optional[int] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., return_labels: _Optional[bool] = ...) -> None: ...
+
+class DbscanSummary(_message.Message):
+    __slots__ = ("n_clusters", "sizes", "n_noise", "earth_radius_m", "dataset_version")
+    N_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    N_NOISE_FIELD_NUMBER: _ClassVar[int]
+    EARTH_RADIUS_M_FIELD_NUMBER: _ClassVar[int]
+    DATASET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    n_clusters: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    n_noise: int
+    earth_radius_m: float
+    dataset_version: int
+    def __init__(self, n_clusters: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., n_noise: _Optional[int] = ..., earth_radius_m: _Optional[float] = ..., dataset_version: _Optional[int] = ...) -> None: ...
+
+class DbscanResponse(_message.Message):
+    __slots__ = ("summary", "labels")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    summary: DbscanSummary
+    labels: ArrowData
+    def __init__(self, summary: _Optional[_Union[DbscanSummary, _Mapping]] = ..., labels: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
+
+class WithinRequest(_message.Message):
+    __slots__ = ("dataset", "bbox", "polygon_geojson", "polygon_wkb", "columns", "where")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    BBOX_FIELD_NUMBER: _ClassVar[int]
+    POLYGON_GEOJSON_FIELD_NUMBER: _ClassVar[int]
+    POLYGON_WKB_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    bbox: BoundingBox
+    polygon_geojson: bytes
+    polygon_wkb: bytes
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    where: Filter
+    def __init__(self, dataset: _Optional[str] = ..., bbox: _Optional[_Union[BoundingBox, _Mapping]] = ..., polygon_geojson: _Optional[bytes] = ..., polygon_wkb: _Optional[bytes] = ..., columns: _Optional[_Iterable[str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

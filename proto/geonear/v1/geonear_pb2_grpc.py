@@ -119,6 +119,16 @@ class GeoNearStub:
                 request_serializer=geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.SerializeToString,
                 response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.Dbscan = channel.unary_stream(
+                '/geonear.v1.GeoNear/Dbscan',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.DbscanRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.DbscanResponse.FromString,
+                _registered_method=True)
+        self.Within = channel.unary_stream(
+                '/geonear.v1.GeoNear/Within',
+                request_serializer=geonear_dot_v1_dot_geonear__pb2.WithinRequest.SerializeToString,
+                response_deserializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+                _registered_method=True)
 
 
 class GeoNearServicer:
@@ -284,6 +294,35 @@ class GeoNearServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Dbscan(self, request, context):
+        """DBSCAN density clusters of a dataset's points (optionally only those matching
+        `where`) by exact great-circle distance: a point with at least min_samples points
+        (itself included) within eps_m is core, core points within eps_m of one another
+        share a cluster, a border point joins the cluster of its smallest-row core
+        neighbour, and the rest is noise. Clusters are numbered 0, 1, ... in the order of
+        their first row. The first message is the summary; with return_labels, label
+        batches follow (id, cluster int64, -1 for noise; the selected points only, in row
+        order). Labels of more than max_result_rows points are refused with
+        RESOURCE_EXHAUSTED before the clustering, as is an eps_m whose neighbourhoods hold
+        more than max_dbscan_pairs (point, neighbour) pairs, before any is listed. A
+        cancelled call or a passed deadline stops the clustering between slices of work.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Within(self, request, context):
+        """The points of a dataset (optionally only those matching `where`) inside a
+        latitude/longitude box or a spherical polygon: one Arrow stream with columns id,
+        lat, lon (float64 degrees), then the requested columns, in row order, sent a slice
+        at a time. A polygon's edges are great-circle arcs; its boundary is inside. More
+        than max_result_rows points are refused with RESOURCE_EXHAUSTED before any is sent.
+        The schema metadata carries geonear.dataset and geonear.version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeoNearServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +409,16 @@ def add_GeoNearServicer_to_server(servicer, server):
             'RadiusJoin': grpc.unary_stream_rpc_method_handler(
                     servicer.RadiusJoin,
                     request_deserializer=geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
+            ),
+            'Dbscan': grpc.unary_stream_rpc_method_handler(
+                    servicer.Dbscan,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.DbscanRequest.FromString,
+                    response_serializer=geonear_dot_v1_dot_geonear__pb2.DbscanResponse.SerializeToString,
+            ),
+            'Within': grpc.unary_stream_rpc_method_handler(
+                    servicer.Within,
+                    request_deserializer=geonear_dot_v1_dot_geonear__pb2.WithinRequest.FromString,
                     response_serializer=geonear_dot_v1_dot_geonear__pb2.ArrowData.SerializeToString,
             ),
     }
@@ -831,6 +880,60 @@ class GeoNear:
             target,
             '/geonear.v1.GeoNear/RadiusJoin',
             geonear_dot_v1_dot_geonear__pb2.RadiusJoinRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Dbscan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geonear.v1.GeoNear/Dbscan',
+            geonear_dot_v1_dot_geonear__pb2.DbscanRequest.SerializeToString,
+            geonear_dot_v1_dot_geonear__pb2.DbscanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Within(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geonear.v1.GeoNear/Within',
+            geonear_dot_v1_dot_geonear__pb2.WithinRequest.SerializeToString,
             geonear_dot_v1_dot_geonear__pb2.ArrowData.FromString,
             options,
             channel_credentials,
