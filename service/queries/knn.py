@@ -22,6 +22,7 @@ from geonear.service.batching import Batcher
 from geonear.service.engines import Neighbours
 from geonear.service.errors import InvalidInput, LimitExceeded
 from geonear.service.queries.common import (
+    SEARCH_ROWS,
     NeighbourGrid,
     NeighbourRows,
     batchable,
@@ -133,11 +134,19 @@ def knn_slices(
     timeout_s: float | None = None,
     offset: int = 0,
 ) -> Iterator[NeighbourGrid]:
-    """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched as
-    it is asked for; query_index counts from ``offset`` (the call's earlier queries)."""
-    for start, stop in fixed_slices(query.n_queries, query.rows_per_query):
+    """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched
+    ``SEARCH_ROWS`` rows of queries at once as it is asked for; query_index counts from
+    ``offset`` (the call's earlier queries)."""
+    per_query = query.rows_per_query
+    for start, stop in fixed_slices(query.n_queries, per_query, SEARCH_ROWS):
         found = _search(query, start, stop, batcher, timeout_s)
-        yield dataclasses.replace(found, first_query=found.first_query + offset)
+        for a, b in fixed_slices(stop - start, per_query):
+            yield dataclasses.replace(
+                found,
+                indices=found.indices[a:b],
+                distances_m=found.distances_m[a:b],
+                first_query=found.first_query + a + offset,
+            )
 
 
 def _search(
