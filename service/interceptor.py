@@ -16,7 +16,10 @@ For every GeoNear call, in order:
    RESOURCE_EXHAUSTED naming the setting. gRPC's own receive limit is set to twice that,
    so a message between the two gets geonear's message; one above both is refused by
    gRPC itself before it is read;
-4. after the call: metrics (:mod:`geonear.service.metrics`) and, when enabled, one log
+4. an exception no layer below answered: UNIMPLEMENTED for a NotImplementedError (what
+   an engine cannot do), else INTERNAL with an error id that the ``geonear.errors`` log
+   line (with the traceback) carries too; never UNKNOWN with a Python class name;
+5. after the call: metrics (:mod:`geonear.service.metrics`) and, when enabled, one log
    line on the ``geonear.requests`` logger, in logfmt::
 
        rpc=Knn dataset=pts rows=30 duration_ms=0.84 status=OK peer=ipv4:127.0.0.1:50412
@@ -47,6 +50,7 @@ import inspect
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NoReturn
 
@@ -68,6 +72,7 @@ from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
 
 request_log = logging.getLogger("geonear.requests")
+error_log = logging.getLogger("geonear.errors")
 
 #: Method prefixes that skip every check: health checking and reflection.
 OPEN_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
@@ -430,6 +435,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             except asyncio.CancelledError:
                 code = _gone(context)
                 raise
+            except grpc.aio.AbortError:
+                code = _code(context) or grpc.StatusCode.UNKNOWN
+                raise
+            except Exception as exc:
+                code, details = _unexpected(rpc, exc)
+                await self._abort(call, rpc, context, code, details)
             except BaseException:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
@@ -470,6 +481,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 # One that returned or raised is closed already.
                 await asyncio.get_running_loop().run_in_executor(None, responses.close)
                 raise
+            except grpc.aio.AbortError:
+                code = _code(context) or grpc.StatusCode.UNKNOWN
+                raise
+            except Exception as exc:
+                code, details = _unexpected(rpc, exc)
+                await self._abort(call, rpc, context, code, details)
             except BaseException:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
@@ -532,6 +549,20 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 status,
                 context.peer(),
             )
+
+
+def _unexpected(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status of an exception no layer below answered: UNIMPLEMENTED for what an
+    engine says it cannot do, else INTERNAL with an error id that the log line (with the
+    traceback) carries too, never the exception's class or text."""
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {exc or 'not implemented by this engine'}"
+    error_id = uuid.uuid4().hex[:12]
+    error_log.error("rpc=%s error_id=%s unexpected error", rpc, error_id, exc_info=exc)
+    return (
+        grpc.StatusCode.INTERNAL,
+        f"internal error {error_id} in {rpc}; the server's log has its details under this id",
+    )
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
