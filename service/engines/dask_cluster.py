@@ -520,6 +520,7 @@ class DaskGPUEngine(DaskEngine):
     """
 
     name = "dask-gpu"
+    device_kind = "gpu"
 
     def __init__(
         self,
