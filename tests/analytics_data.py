@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -89,6 +90,34 @@ RADIUS_M = {"uniform": 700_000.0, "clustered": 25_000.0, "edge": 1_500_000.0}
 
 
 # -- the reference ----------------------------------------------------------------------
+#: The data kinds every join and count test runs on, their tables and their query points
+#: kept as datasets of their own (the left sides).
+DATA = ("uniform", "clustered", "edge")
+TABLES = {kind: table(*points(kind)) for kind in DATA}
+LEFT = {
+    f"{kind}_q": pa.table(dict(zip(["lat", "lon"], queries(kind), strict=True))) for kind in DATA
+}
+#: Filters keeping every point, 1% of them, one, and none (``table`` fills ``bucket``
+#: with the row number modulo 100).
+FILTERS: dict[str, Any] = {
+    "all": None,
+    "one_percent": [("bucket", "==", 42)],
+    "one": [("id", "==", 17)],
+    "none": [("bucket", "<", 0)],
+}
+
+
+def selection_mask(t: pa.Table, kept: str) -> np.ndarray:
+    """The rows of ``t`` that FILTERS[kept] selects."""
+    rows = np.arange(t.num_rows)
+    return {
+        "all": np.ones(t.num_rows, bool),
+        "one_percent": rows % 100 == 42,
+        "one": rows == 17,
+        "none": np.zeros(t.num_rows, bool),
+    }[kept]
+
+
 def reference_knn(
     lat: np.ndarray,
     lon: np.ndarray,

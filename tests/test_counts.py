@@ -17,13 +17,16 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 from analytics_data import (
+    DATA,
+    FILTERS,
+    LEFT,
     RADIUS_M,
+    TABLES,
     cpu_engine_params,
     engine_server,
-    points,
     queries,
     reference_radius,
-    table,
+    selection_mask,
 )
 
 from geonear._wire import messages_to_table
@@ -36,34 +39,11 @@ from geonear.service.settings import Limits, ServerSettings
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
-DATA = ("uniform", "clustered", "edge")
-TABLES = {kind: table(*points(kind)) for kind in DATA}
-#: The left datasets: query points kept as datasets of their own.
-LEFT = {
-    f"{kind}_q": pa.table(dict(zip(["lat", "lon"], queries(kind), strict=True))) for kind in DATA
-}
-FILTERS: dict[str, Any] = {
-    "all": None,
-    "one_percent": [("bucket", "==", 42)],
-    "one": [("id", "==", 17)],
-    "none": [("bucket", "<", 0)],
-}
-
-
-def _mask(t: pa.Table, kept: str) -> np.ndarray:
-    rows = np.arange(t.num_rows)
-    return {
-        "all": np.ones(t.num_rows, bool),
-        "one_percent": rows % 100 == 42,
-        "one": rows == 17,
-        "none": np.zeros(t.num_rows, bool),
-    }[kept]
-
 
 def _expected(data: str, kept: str, q_lat: np.ndarray, q_lon: np.ndarray) -> np.ndarray:
     t = TABLES[data]
     lat, lon = t.column("lat").to_numpy(), t.column("lon").to_numpy()
-    found = reference_radius(lat, lon, _mask(t, kept), q_lat, q_lon, RADIUS_M[data])
+    found = reference_radius(lat, lon, selection_mask(t, kept), q_lat, q_lon, RADIUS_M[data])
     return np.diff(found.offsets)
 
 

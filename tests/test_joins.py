@@ -18,16 +18,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from analytics_data import (
+    DATA,
+    FILTERS,
+    LEFT,
     RADIUS_M,
+    TABLES,
     cpu_engine_params,
     engine_server,
     knn_from_rows,
-    points,
     queries,
     radius_from_rows,
     reference_knn,
     reference_radius,
-    table,
+    selection_mask,
 )
 from test_engine_parity import assert_same_neighbours
 
@@ -38,28 +41,6 @@ from geonear.service.geometry import great_circle_m
 from geonear.service.queries import common
 from geonear.service.server import build_server
 from geonear.service.settings import Limits, ServerSettings
-
-DATA = ("uniform", "clustered", "edge")
-TABLES = {kind: table(*points(kind)) for kind in DATA}
-LEFT = {
-    f"{kind}_q": pa.table(dict(zip(["lat", "lon"], queries(kind), strict=True))) for kind in DATA
-}
-FILTERS: dict[str, Any] = {
-    "all": None,
-    "one_percent": [("bucket", "==", 42)],
-    "one": [("id", "==", 17)],
-    "none": [("bucket", "<", 0)],
-}
-
-
-def _mask(t: pa.Table, kept: str) -> np.ndarray:
-    rows = np.arange(t.num_rows)
-    return {
-        "all": np.ones(t.num_rows, bool),
-        "one_percent": rows % 100 == 42,
-        "one": rows == 17,
-        "none": np.zeros(t.num_rows, bool),
-    }[kept]
 
 
 def _lat_lon(t: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +63,7 @@ def test_knn_join_is_the_reference_knn_of_every_left_point(
     lat, lon = _lat_lon(right)
     q_lat, q_lon = queries(data)
     k = 6  # more than "one" keeps
-    mask = _mask(right, kept)
+    mask = selection_mask(right, kept)
     want = reference_knn(lat, lon, mask, q_lat, q_lon, k)
     found = served.knn_join(f"{data}_q", data, k, where=FILTERS[kept], as_arrow=True)
     assert isinstance(found, pa.Table)
@@ -101,7 +82,7 @@ def test_radius_join_is_the_reference_radius_of_every_left_point(
     right = TABLES[data]
     lat, lon = _lat_lon(right)
     q_lat, q_lon = queries(data)
-    want = reference_radius(lat, lon, _mask(right, kept), q_lat, q_lon, RADIUS_M[data])
+    want = reference_radius(lat, lon, selection_mask(right, kept), q_lat, q_lon, RADIUS_M[data])
     found = served.radius_join(
         f"{data}_q", data, RADIUS_M[data], where=FILTERS[kept], as_arrow=True
     )
