@@ -472,16 +472,18 @@ class Client:
                 pass  # more rows than a compact answer holds: stream them instead
             else:
                 return compact_to_table(answer)
-        parts = [
+        # Each part is encoded as the stream sends it, not all of them before the call.
+        parts = (
             points_to_message(found.lat[i : i + QUERY_CHUNK], found.lon[i : i + QUERY_CHUNK])
             for i in range(0, max(1, len(found)), QUERY_CHUNK)
-        ]
-        stub = getattr(self._stub, method if len(parts) == 1 else method + "Stream")
-        first = make_request(parts[0])
+        )
+        first = make_request(next(parts))
         request: Any = first
-        if len(parts) > 1:
+        streamed = len(found) > QUERY_CHUNK
+        if streamed:
             more = type(first)
-            request = itertools.chain([first], (more(queries=p) for p in parts[1:]))
+            request = itertools.chain([first], (more(queries=p) for p in parts))
+        stub = getattr(self._stub, method + "Stream" if streamed else method)
         try:
             return messages_to_table(stub(request, timeout=self.timeout_s))
         except grpc.RpcError as exc:
