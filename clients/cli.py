@@ -259,11 +259,13 @@ def _startup_problem(settings: Any) -> str | None:
     Checked: the engine and backend are available here, the data directory can be
     written, the port (and metrics port) can be bound, the TLS and token files read.
     """
-    from geonear.service.engines import GPU_ENGINES, engine_names, gpu_available
+    from geonear.service.engines import ENGINES, gpu_available
 
-    if settings.engine is not None and settings.engine not in engine_names():
-        return f"unknown --engine {settings.engine!r}; choose one of {', '.join(engine_names())}"
-    wants_gpu = settings.backend == "gpu" or settings.engine in GPU_ENGINES
+    if settings.engine is not None and settings.engine not in ENGINES:
+        return f"unknown --engine {settings.engine!r}; choose one of {', '.join(ENGINES)}"
+    wants_gpu = settings.backend == "gpu" or (
+        settings.engine is not None and ENGINES[settings.engine].device_kind == "gpu"
+    )
     if wants_gpu:
         ok, why = gpu_available()
         if not ok:

@@ -16,9 +16,13 @@ For every GeoNear call, in order:
    RESOURCE_EXHAUSTED naming the setting. gRPC's own receive limit is set to twice that,
    so a message between the two gets geonear's message; one above both is refused by
    gRPC itself before it is read;
-4. an exception no layer below answered: UNIMPLEMENTED for a NotImplementedError (what
-   an engine cannot do), else INTERNAL with an error id that the ``geonear.errors`` log
-   line (with the traceback) carries too; never UNKNOWN with a Python class name;
+4. the call's exceptions, mapped here and nowhere else (:mod:`geonear.service.errors`
+   has the tree): each error's status code and message, with a ``google.rpc.Status`` in
+   the ``grpc-status-details-bin`` trailer carrying its machine-readable reason
+   (``ErrorInfo``, domain ``geonear``: e.g. COMPACT_TOO_LARGE, which no retry helps, vs
+   SERVER_BUSY) and, where a retry helps, a ``RetryInfo``; anything unexpected is
+   INTERNAL with an error id that the ``geonear.errors`` log line (with the traceback)
+   carries too, never UNKNOWN with a Python class name;
 5. after the call: metrics (:mod:`geonear.service.metrics`) and, when enabled, one log
    line on the ``geonear.requests`` logger, in logfmt::
 
@@ -56,15 +60,25 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
+from geonear._wire import WireError
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
-from geonear.service.engines.base import DeviceLost
 from geonear.service.errors import (
+    BadArrow,
     Cancelled,
+    DeviceLost,
     InvalidInput,
     LimitExceeded,
+    OutOfMemory,
+    PermissionDenied,
+    ServerBusy,
     ServiceError,
+    Unauthenticated,
+    Unsupported,
+    UploadIdle,
     status_message,
 )
 from geonear.service.lifecycle import Lifecycle
@@ -121,22 +135,6 @@ def _dataset_of(request: Any) -> str:
     left = getattr(request, "left_dataset", "")
     right = getattr(request, "right_dataset", "") or getattr(request, "dataset", "")
     return f"{left}>{right}" if left and right else right or left
-
-
-class UploadIdle(ServiceError):
-    """No request message came for ``upload_idle_timeout_s``; the call is ended.
-
-    DEADLINE_EXCEEDED: the server's deadline for the next message passed.
-    """
-
-    status = "DEADLINE_EXCEEDED"
-
-    def __init__(self, idle_timeout_s: float) -> None:
-        super().__init__(
-            f"no Upload message came for upload_idle_timeout_s={idle_timeout_s:g} s "
-            "(setting GEONEAR_UPLOAD_IDLE_TIMEOUT_S): the upload was ended and nothing was "
-            "stored; send data more often, or raise the setting"
-        )
 
 
 class _Abort(Exception):
@@ -319,7 +317,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         def deserialize(data: bytes) -> Any:
             if len(data) > limit:
-                return _Unreadable(LimitExceeded(self._too_large(len(data))))
+                return _Unreadable(
+                    LimitExceeded(
+                        self._too_large(len(data)), setting="GEONEAR_MAX_MESSAGE_BYTES"
+                    )
+                )
             if parse is None:
                 return data
             try:
@@ -353,19 +355,19 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
     # -- around the call -----------------------------------------------------------------
     def _refusal(
-        self, call: _Call, rpc: str, request: Any, denial: Denial | None, streaming: bool
-    ) -> tuple[grpc.StatusCode, str] | None:
-        """Checks before the call: the status to refuse it with, or None once admitted."""
-        refusal = None
+        self, call: _Call, request: Any, denial: Denial | None, streaming: bool
+    ) -> ServiceError | None:
+        """Checks before the call: the error to refuse it with, or None once admitted."""
+        refusal: ServiceError | None = None
         if denial is not None:
-            refusal = grpc.StatusCode[denial.status], denial.message
+            refusal = _DENIALS[denial.status](denial.message)
         elif self.lifecycle is not None and self.lifecycle.fatal_reason is not None:
-            refusal = grpc.StatusCode.UNAVAILABLE, self.lifecycle.refusal()
+            refusal = DeviceLost(self.lifecycle.refusal())
         elif (crowded := self.admission.admit(call.upload)) is not None:
-            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, crowded
+            refusal = ServerBusy(crowded)
         elif not streaming and type(request) is _Unreadable:
             self.admission.leave(call.upload)
-            refusal = grpc.StatusCode[request.error.status], str(request.error)
+            refusal = request.error
         return refusal
 
     async def _admit(
@@ -381,10 +383,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         A streamed request comes back as an iterator to read from a server thread.
         """
         call = _Call("" if streaming else _dataset_of(request), upload=rpc == "Upload")
-        refusal = self._refusal(call, rpc, request, denial, streaming)
+        refusal = self._refusal(call, request, denial, streaming)
         if refusal is not None:
-            self._finish(call, rpc, context, refusal[0])
-            await context.abort(refusal[0], status_message(refusal[1]))
+            code, message, trailers = _status(refusal, context)
+            self._finish(call, rpc, context, code)
+            await context.abort(code, message, trailers)
         if streaming:
             loop = asyncio.get_running_loop()
             requests = _blocking_iterator(request, loop, self.upload_idle_timeout_s)
@@ -428,10 +431,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 call.rows = _rows(response)
                 return response
             except _Abort as exc:
-                await self._abort(call, rpc, context, exc.code, exc.details)
-            except DeviceLost as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                await self._abort(call, rpc, context, code, self._device_lost(exc))
+                await self._aborted(call, rpc, context, exc.code, exc.details)
             except asyncio.CancelledError:
                 code = _gone(context)
                 raise
@@ -439,8 +439,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             except Exception as exc:
-                code, details = _unexpected(rpc, exc)
-                await self._abort(call, rpc, context, code, details)
+                await self._abort(call, rpc, context, exc)
             except BaseException:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
@@ -469,10 +468,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 if local.trailing_metadata:
                     context.set_trailing_metadata(local.trailing_metadata)
             except _Abort as exc:
-                await self._abort(call, rpc, context, exc.code, exc.details)
-            except DeviceLost as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                await self._abort(call, rpc, context, code, self._device_lost(exc))
+                await self._aborted(call, rpc, context, exc.code, exc.details)
             except (asyncio.CancelledError, GeneratorExit):
                 # gRPC stopped reading: the client went away or its deadline passed.
                 code = _gone(context)
@@ -485,8 +481,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
             except Exception as exc:
-                code, details = _unexpected(rpc, exc)
-                await self._abort(call, rpc, context, code, details)
+                await self._abort(call, rpc, context, exc)
             except BaseException:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
                 raise
@@ -504,6 +499,23 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             self._finish(call, rpc, context, code)
 
     async def _abort(
+        self, call: _Call, rpc: str, context: grpc.aio.ServicerContext, exc: Exception
+    ) -> None:
+        """End the call, then answer it with the status of ``exc`` (``abort`` raises).
+
+        The one seam from exceptions to statuses (:mod:`geonear.service.errors`). grpc.aio's
+        ``abort`` sends the status at once, so the call is counted first: a client that
+        has seen the status finds the call in the metrics and the log."""
+        error = _as_service_error(rpc, exc)
+        if isinstance(error, DeviceLost) and self.lifecycle is not None:
+            # The lifecycle stops the server so that it is restarted.
+            self.lifecycle.fatal(str(error))
+            error = DeviceLost(self.lifecycle.refusal())
+        code, message, trailers = _status(error, context)
+        self._end(call, rpc, context, code)
+        await context.abort(code, message, trailers)
+
+    async def _aborted(
         self,
         call: _Call,
         rpc: str,
@@ -511,19 +523,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         code: grpc.StatusCode,
         details: str,
     ) -> None:
-        """End the call, then answer it with ``code`` (``abort`` raises). grpc.aio's
-        ``abort`` sends the status at once, so the call is counted first: a client that
-        has seen the status finds the call in the metrics and the log."""
+        """End a call its handler aborted with ``code``, then answer it so."""
         self._end(call, rpc, context, code)
         await context.abort(code, status_message(details))
-
-    def _device_lost(self, exc: DeviceLost) -> str:
-        """The UNAVAILABLE message; the lifecycle stops the server so that it is restarted."""
-        message = str(exc)
-        if self.lifecycle is not None:
-            self.lifecycle.fatal(message)
-            message = self.lifecycle.refusal()
-        return message
 
     def _finish(
         self,
@@ -551,18 +553,59 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             )
 
 
-def _unexpected(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status of an exception no layer below answered: UNIMPLEMENTED for what an
-    engine says it cannot do, else INTERNAL with an error id that the log line (with the
-    traceback) carries too, never the exception's class or text."""
+_DENIALS: dict[str, type[ServiceError]] = {
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
+}
+#: Where google.rpc error details travel: the binary trailer gRPC's richer error model uses.
+DETAILS_KEY = "grpc-status-details-bin"
+#: The ErrorInfo domain of every reason geonear gives.
+ERROR_DOMAIN = "geonear"
+
+
+def _as_service_error(rpc: str, exc: Exception) -> ServiceError:
+    """``exc`` as an error of the service's tree. One that no layer below answered is
+    INTERNAL with an error id that the log line (with the traceback) carries too, never
+    the exception's class or text."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, WireError):
+        return BadArrow(str(exc))
+    if isinstance(exc, MemoryError):
+        why = exc or "allocation failed"
+        return OutOfMemory(f"out of memory: {why}; use fewer points per call")
     if isinstance(exc, NotImplementedError):
-        return grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: {exc or 'not implemented by this engine'}"
+        return Unsupported(f"{rpc}: {exc or 'not implemented by this engine'}")
     error_id = uuid.uuid4().hex[:12]
     error_log.error("rpc=%s error_id=%s unexpected error", rpc, error_id, exc_info=exc)
-    return (
-        grpc.StatusCode.INTERNAL,
+    return ServiceError(
         f"internal error {error_id} in {rpc}; the server's log has its details under this id",
+        error_id=error_id,
     )
+
+
+def _status(
+    error: ServiceError, context: Any
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
+    """The status code, message and trailing metadata answering ``error``: the
+    ``google.rpc.Status`` in the details trailer carries an ErrorInfo (the reason, domain
+    ``geonear``, the error's metadata) and, for an error worth retrying, a RetryInfo."""
+    code = grpc.StatusCode[error.status]
+    if isinstance(error, Cancelled):
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+    message = status_message(str(error))
+    status = status_pb2.Status(code=code.value[0], message=message)
+    info = error_details_pb2.ErrorInfo(
+        reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
+    )
+    status.details.add().Pack(info)
+    if error.retry_after_s is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        status.details.add().Pack(retry)
+    return code, message, tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:

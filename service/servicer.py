@@ -1,15 +1,15 @@
 """The gRPC servicer: decodes requests, calls the domain functions, encodes answers.
 
 Nothing here computes; every RPC is a few lines around ``geonear.service.queries`` and
-the store. Domain errors become status codes with their message (``_translate``).
+the store. Errors propagate: the interceptor is the one seam that maps them to statuses
+(``geonear.service.errors``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -19,16 +19,15 @@ import pyarrow as pa
 from geonear import __version__
 from geonear._wire import (
     BatchDecoder,
-    WireError,
     points_from_message,
     table_to_messages,
     tables_to_messages,
 )
 from geonear.service.analytics.areas import Bbox, SphericalPolygon
 from geonear.service.batching import Batcher
-from geonear.service.engines import Engine, EngineUnavailable, runnable_engine_names
+from geonear.service.engines import Engine, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
-from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded, ServiceError
+from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
 from geonear.service.pipeline import prefetched
 from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
@@ -109,51 +108,6 @@ _FILTER_OPS = {
 assert sorted(_FILTER_OPS.values()) == sorted(OPS)
 
 
-def _status_of(
-    exc: BaseException, context: grpc.ServicerContext | grpc.aio.ServicerContext
-) -> tuple[grpc.StatusCode, str] | None:
-    """The status code and message a domain error is answered with; None for others."""
-    if isinstance(exc, ServiceError):
-        code = grpc.StatusCode[exc.status]
-        if isinstance(exc, Cancelled):
-            left = context.time_remaining()
-            if left is not None and left <= 0:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-        return code, str(exc)
-    if isinstance(exc, WireError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineUnavailable):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, MemoryError):
-        return (
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"out of memory: {exc or 'allocation failed'}; use fewer points per call",
-        )
-    return None
-
-
-@contextlib.contextmanager
-def _translate(context: grpc.ServicerContext) -> Iterator[None]:
-    """Turn domain errors into a status code and message; never let one crash the server."""
-    try:
-        yield
-    except (ServiceError, WireError, EngineUnavailable, MemoryError) as exc:
-        status = _status_of(exc, context)
-        assert status is not None
-        context.abort(*status)
-
-
-@contextlib.asynccontextmanager
-async def _translate_async(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """``_translate`` for the RPCs that run on the event loop."""
-    try:
-        yield
-    except (ServiceError, WireError, EngineUnavailable, MemoryError) as exc:
-        status = _status_of(exc, context)
-        assert status is not None
-        await context.abort(*status)
-
-
 #: Most result rows of a KnnCompact/RadiusCompact answer (about 1.5 MB of protobuf).
 COMPACT_MAX_ROWS = 65_536
 
@@ -172,7 +126,7 @@ def _refuse_columns(request: pb.KnnRequest | pb.RadiusRequest, rpc: str, streami
 def _check_compact(result_rows: int, streaming_rpc: str) -> None:
     """Refuse, before the search, a compact answer of more than COMPACT_MAX_ROWS rows."""
     if result_rows > COMPACT_MAX_ROWS:
-        raise LimitExceeded(
+        raise CompactTooLarge(
             f"{result_rows} result rows exceed the {COMPACT_MAX_ROWS} of a compact "
             f"answer; call {streaming_rpc}, which streams any number"
         )
@@ -280,74 +234,70 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     # -- datasets ------------------------------------------------------------------------
     def Upload(self, request_iterator, context):
-        with _translate(context):
-            header: pb.UploadHeader | None = None
-            decoder = BatchDecoder()
-            batches: list[pa.RecordBatch] = []
-            rows = received_bytes = 0
-            for message in request_iterator:
-                if header is None:
-                    if not message.HasField("header"):
-                        raise InvalidInput("the first Upload message must carry the header")
-                    header = message.header
-                    check_dataset_name(header.dataset)
-                elif message.HasField("header"):
-                    raise InvalidInput("only the first Upload message may carry a header")
-                batch = decoder.decode(message.data) if message.HasField("data") else None
-                if batch is None:
-                    continue
-                rows += batch.num_rows
-                if rows > self.limits.max_upload_rows:
-                    raise LimitExceeded(
-                        f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
-                        "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append"
-                    )
-                # Refuse an upload far beyond the memory budget before all of it arrives.
-                received_bytes += batch.nbytes
-                self.store.check_host_budget(header.dataset, received_bytes)
-                batches.append(batch)
+        header: pb.UploadHeader | None = None
+        decoder = BatchDecoder()
+        batches: list[pa.RecordBatch] = []
+        rows = received_bytes = 0
+        for message in request_iterator:
             if header is None:
-                raise InvalidInput("the Upload stream was empty")
-            if decoder.schema is None:
-                raise InvalidInput("the Upload stream carried no Arrow schema")
-            if not context.is_active():
-                raise InvalidInput("the upload was cancelled; nothing was stored")
-            mode = _MODES.get(header.mode)
-            if mode is None:
-                raise InvalidInput(f"unknown upload mode {header.mode}")
-            table = pa.Table.from_batches(batches, schema=decoder.schema)
-            # Row numbers as ids are given by the store, under its lock: an append's
-            # first number depends on the dataset as the append commits.
-            row_numbers = ids_are_row_numbers(table, header.id_column)
-            table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
-            version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
-            return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
+                if not message.HasField("header"):
+                    raise InvalidInput("the first Upload message must carry the header")
+                header = message.header
+                check_dataset_name(header.dataset)
+            elif message.HasField("header"):
+                raise InvalidInput("only the first Upload message may carry a header")
+            batch = decoder.decode(message.data) if message.HasField("data") else None
+            if batch is None:
+                continue
+            rows += batch.num_rows
+            if rows > self.limits.max_upload_rows:
+                raise LimitExceeded(
+                    f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
+                    "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append"
+                )
+            # Refuse an upload far beyond the memory budget before all of it arrives.
+            received_bytes += batch.nbytes
+            self.store.check_host_budget(header.dataset, received_bytes)
+            batches.append(batch)
+        if header is None:
+            raise InvalidInput("the Upload stream was empty")
+        if decoder.schema is None:
+            raise InvalidInput("the Upload stream carried no Arrow schema")
+        if not context.is_active():
+            raise Cancelled("the upload was cancelled; nothing was stored")
+        mode = _MODES.get(header.mode)
+        if mode is None:
+            raise InvalidInput(f"unknown upload mode {header.mode}")
+        table = pa.Table.from_batches(batches, schema=decoder.schema)
+        # Row numbers as ids are given by the store, under its lock: an append's
+        # first number depends on the dataset as the append commits.
+        row_numbers = ids_are_row_numbers(table, header.id_column)
+        table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
+        version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
+        return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
 
     def DeleteRows(self, request, context):
-        with _translate(context):
-            if request.int_ids and request.string_ids:
-                raise InvalidInput("give int_ids or string_ids, not both")
-            current = self.store.get(request.dataset)
-            is_int = pa.types.is_integer(current.table.column("id").type)
-            if (is_int and request.string_ids) or (not is_int and request.int_ids):
-                raise InvalidInput(f"dataset {request.dataset!r} has {current.id_type} ids")
-            ids = list(request.int_ids) if is_int else list(request.string_ids)
-            version, deleted, missing = self.store.delete_rows(request.dataset, ids)
-            return pb.DeleteRowsResponse(
-                dataset=dataset_info(version), rows_deleted=deleted, ids_not_found=missing
-            )
+        if request.int_ids and request.string_ids:
+            raise InvalidInput("give int_ids or string_ids, not both")
+        current = self.store.get(request.dataset)
+        is_int = pa.types.is_integer(current.table.column("id").type)
+        if (is_int and request.string_ids) or (not is_int and request.int_ids):
+            raise InvalidInput(f"dataset {request.dataset!r} has {current.id_type} ids")
+        ids = list(request.int_ids) if is_int else list(request.string_ids)
+        version, deleted, missing = self.store.delete_rows(request.dataset, ids)
+        return pb.DeleteRowsResponse(
+            dataset=dataset_info(version), rows_deleted=deleted, ids_not_found=missing
+        )
 
     def ListDatasets(self, request, context):
         return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.datasets()])
 
     def GetDataset(self, request, context):
-        with _translate(context):
-            return dataset_info(self.store.get(request.dataset))
+        return dataset_info(self.store.get(request.dataset))
 
     def DropDataset(self, request, context):
-        with _translate(context):
-            dropped = self.store.drop(request.dataset)
-            return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
+        dropped = self.store.drop(request.dataset)
+        return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
     def _knn_args(
@@ -450,58 +400,55 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         sender; where the time went goes back in the ``geonear-timing`` trailer.
         """
         timing = StageTimes()
-        with _translate(context):
-            first = next(requests, None)
-            if first is None:
-                raise InvalidInput("the request stream carried no message")
-            layout = _LAYOUTS.get(first.layout)
-            if layout is None:
-                raise InvalidInput(f"unknown result layout {first.layout}")
-            dataset = self.store.get(first.dataset)
+        first = next(requests, None)
+        if first is None:
+            raise InvalidInput("the request stream carried no message")
+        layout = _LAYOUTS.get(first.layout)
+        if layout is None:
+            raise InvalidInput(f"unknown result layout {first.layout}")
+        dataset = self.store.get(first.dataset)
 
-            def tables() -> Iterator[pa.Table]:
-                offset, points = 0, first.queries
-                while points is not None:
-                    with timing.stage("decode"):
-                        n_queries, found = answers(first, points, dataset, offset, context)
-                    for piece in timing.timed(found, "search"):
-                        with timing.stage("assemble"):
-                            table = piece.table(self.engine.earth_radius_m, layout)
-                        yield table
-                        if not context.is_active():
-                            raise Cancelled("the call was cancelled; its search stopped")
-                    offset += n_queries
-                    points = _more_points(next(requests, None))
+        def tables() -> Iterator[pa.Table]:
+            offset, points = 0, first.queries
+            while points is not None:
+                with timing.stage("decode"):
+                    n_queries, found = answers(first, points, dataset, offset, context)
+                for piece in timing.timed(found, "search"):
+                    with timing.stage("assemble"):
+                        table = piece.table(self.engine.earth_radius_m, layout)
+                    yield table
+                    if not context.is_active():
+                        raise Cancelled("the call was cancelled; its search stopped")
+                offset += n_queries
+                points = _more_points(next(requests, None))
 
-            yield from _sent(tables(), timing)
+        yield from _sent(tables(), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     async def KnnCompact(self, request, context):
-        async with _translate_async(context):
-            _refuse_columns(request, "KnnCompact", "Knn")
-            # A new filter's index is built off the event loop.
-            args = (
-                await asyncio.to_thread(self._knn_args, request)
-                if request.HasField("where")
-                else self._knn_args(request)
-            )
-            query = knn_query(**args)
-            _check_compact(query.result_rows, "Knn")
-            found = await knn_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
-            return self._compact(found)
+        _refuse_columns(request, "KnnCompact", "Knn")
+        # A new filter's index is built off the event loop.
+        args = (
+            await asyncio.to_thread(self._knn_args, request)
+            if request.HasField("where")
+            else self._knn_args(request)
+        )
+        query = knn_query(**args)
+        _check_compact(query.result_rows, "Knn")
+        found = await knn_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+        return self._compact(found)
 
     async def RadiusCompact(self, request, context):
-        async with _translate_async(context):
-            _refuse_columns(request, "RadiusCompact", "Radius")
-            args = (
-                await asyncio.to_thread(self._radius_args, request)
-                if request.HasField("where")
-                else self._radius_args(request)
-            )
-            query = await radius_query_async(**args)
-            _check_compact(query.result_rows, "Radius")
-            found = await radius_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
-            return self._compact(found)
+        _refuse_columns(request, "RadiusCompact", "Radius")
+        args = (
+            await asyncio.to_thread(self._radius_args, request)
+            if request.HasField("where")
+            else self._radius_args(request)
+        )
+        query = await radius_query_async(**args)
+        _check_compact(query.result_rows, "Radius")
+        found = await radius_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+        return self._compact(found)
 
     def _compact(self, found: NeighbourRows) -> pb.CompactNeighbours:
         response = pb.CompactNeighbours(
@@ -521,28 +468,27 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         return response
 
     def DistanceMatrix(self, request, context):
-        with _translate(context):
-            lat1, lon1 = points_from_message(request.queries)
-            lat2, lon2 = self._matrix_columns(request)
-            dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
-            if dtype is None:
-                raise InvalidInput(f"unknown matrix dtype {request.dtype}")
-            for tile in distance_tiles(
-                self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=context.is_active
-            ):
-                yield pb.MatrixTile(
-                    row_start=tile.row_start,
-                    col_start=tile.col_start,
-                    row_count=tile.values.shape[0],
-                    col_count=tile.values.shape[1],
-                    values=np.ascontiguousarray(
-                        tile.values, dtype=f"<{dtype[0]}{tile.values.itemsize}"
-                    ).tobytes(),
-                    total_rows=lat1.shape[0],
-                    total_cols=lat2.shape[0],
-                    earth_radius_m=self.engine.earth_radius_m,
-                    dtype=request.dtype or pb.FLOAT64,
-                )
+        lat1, lon1 = points_from_message(request.queries)
+        lat2, lon2 = self._matrix_columns(request)
+        dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
+        if dtype is None:
+            raise InvalidInput(f"unknown matrix dtype {request.dtype}")
+        for tile in distance_tiles(
+            self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=context.is_active
+        ):
+            yield pb.MatrixTile(
+                row_start=tile.row_start,
+                col_start=tile.col_start,
+                row_count=tile.values.shape[0],
+                col_count=tile.values.shape[1],
+                values=np.ascontiguousarray(
+                    tile.values, dtype=f"<{dtype[0]}{tile.values.itemsize}"
+                ).tobytes(),
+                total_rows=lat1.shape[0],
+                total_cols=lat2.shape[0],
+                earth_radius_m=self.engine.earth_radius_m,
+                dtype=request.dtype or pb.FLOAT64,
+            )
 
     def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
         if not request.dataset:
@@ -581,57 +527,53 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         return dataset.lat[idx], dataset.lon[idx]
 
     def KMeans(self, request, context):
-        with _translate(context):
-            dataset = self.store.get(request.dataset)
-            result = kmeans_query.kmeans(
-                dataset,
-                int(request.k),
-                seed=int(request.seed),
-                n_init=request.n_init or 1,
-                max_iter=request.max_iter or 100,
-                tol=request.tol or 1e-6,
-                weight_column=request.weight_column,
-                return_labels=request.return_labels,
-                limits=self.limits,
-                should_stop=lambda: not context.is_active(),
+        dataset = self.store.get(request.dataset)
+        result = kmeans_query.kmeans(
+            dataset,
+            int(request.k),
+            seed=int(request.seed),
+            n_init=request.n_init or 1,
+            max_iter=request.max_iter or 100,
+            tol=request.tol or 1e-6,
+            weight_column=request.weight_column,
+            return_labels=request.return_labels,
+            limits=self.limits,
+            should_stop=lambda: not context.is_active(),
+        )
+        # k <= max_k keeps the centroid table small enough for one message.
+        (centroids,) = table_to_messages(kmeans_query.centroid_table(result), batch_bytes=1 << 62)
+        yield pb.KMeansResponse(
+            summary=pb.KMeansSummary(
+                centroids=centroids,
+                inertia_m2=result.inertia_m2,
+                n_iter=result.n_iter,
+                earth_radius_m=self.engine.earth_radius_m,
+                dataset_version=dataset.version,
             )
-            # k <= max_k keeps the centroid table small enough for one message.
-            (centroids,) = table_to_messages(
-                kmeans_query.centroid_table(result), batch_bytes=1 << 62
-            )
-            yield pb.KMeansResponse(
-                summary=pb.KMeansSummary(
-                    centroids=centroids,
-                    inertia_m2=result.inertia_m2,
-                    n_iter=result.n_iter,
-                    earth_radius_m=self.engine.earth_radius_m,
-                    dataset_version=dataset.version,
-                )
-            )
-            if request.return_labels:
-                for message in table_to_messages(kmeans_query.label_table(dataset, result)):
-                    yield pb.KMeansResponse(labels=message)
+        )
+        if request.return_labels:
+            for message in table_to_messages(kmeans_query.label_table(dataset, result)):
+                yield pb.KMeansResponse(labels=message)
 
     def CountWithin(self, request, context):
         timing = StageTimes()
-        with _translate(context):
-            with timing.stage("decode"):
-                dataset = self.store.get(request.dataset)
-                if bool(request.left_dataset) == request.HasField("queries"):
-                    raise InvalidInput("give query points or a left dataset (one of the two)")
-                left = self.store.get(request.left_dataset) if request.left_dataset else None
-                lat, lon = (left.lat, left.lon) if left else points_from_message(request.queries)
-                query = count_query(
-                    dataset,
-                    lat,
-                    lon,
-                    float(request.radius_m),
-                    points=self._selection(dataset, request),
-                    left=left,
-                    limits=self.limits,
-                )
-            tables = count_tables(query, self.engine.earth_radius_m, context.is_active)
-            yield from _sent(timing.timed(tables, "search"), timing)
+        with timing.stage("decode"):
+            dataset = self.store.get(request.dataset)
+            if bool(request.left_dataset) == request.HasField("queries"):
+                raise InvalidInput("give query points or a left dataset (one of the two)")
+            left = self.store.get(request.left_dataset) if request.left_dataset else None
+            lat, lon = (left.lat, left.lon) if left else points_from_message(request.queries)
+            query = count_query(
+                dataset,
+                lat,
+                lon,
+                float(request.radius_m),
+                points=self._selection(dataset, request),
+                left=left,
+                limits=self.limits,
+            )
+        tables = count_tables(query, self.engine.earth_radius_m, context.is_active)
+        yield from _sent(timing.timed(tables, "search"), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     # Joins: the left dataset's points are the queries, searched and sent a slice at a
@@ -669,71 +611,68 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         self, request: Any, context: Any, slices: Callable[..., Iterator[JoinSlice]]
     ) -> Iterator[pb.ArrowData]:
         timing = StageTimes()
-        with _translate(context):
-            layout = _LAYOUTS.get(request.layout)
-            if layout is None:
-                raise InvalidInput(f"unknown result layout {request.layout}")
-            with timing.stage("decode"):
-                left = self.store.get(request.left_dataset)
-                right = (
-                    left
-                    if request.right_dataset == request.left_dataset
-                    else self.store.get(request.right_dataset)
-                )
-                sides = join_sides(left, right, request.left_columns, request.right_columns)
-                found = slices(request, sides, context)
+        layout = _LAYOUTS.get(request.layout)
+        if layout is None:
+            raise InvalidInput(f"unknown result layout {request.layout}")
+        with timing.stage("decode"):
+            left = self.store.get(request.left_dataset)
+            right = (
+                left
+                if request.right_dataset == request.left_dataset
+                else self.store.get(request.right_dataset)
+            )
+            sides = join_sides(left, right, request.left_columns, request.right_columns)
+            found = slices(request, sides, context)
 
-            def tables() -> Iterator[pa.Table]:
-                for piece in timing.timed(found, "search"):
-                    with timing.stage("assemble"):
-                        table = piece.table(self.engine.earth_radius_m, layout)
-                    yield table
-                    if not context.is_active():
-                        raise Cancelled("the call was cancelled; its search stopped")
+        def tables() -> Iterator[pa.Table]:
+            for piece in timing.timed(found, "search"):
+                with timing.stage("assemble"):
+                    table = piece.table(self.engine.earth_radius_m, layout)
+                yield table
+                if not context.is_active():
+                    raise Cancelled("the call was cancelled; its search stopped")
 
-            yield from _sent(tables(), timing)
+        yield from _sent(tables(), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     def Dbscan(self, request, context):
-        with _translate(context):
-            dataset = self.store.get(request.dataset)
-            answer = dbscan_query.dbscan(
-                dataset,
-                float(request.eps_m),
-                int(request.min_samples),
-                points=self._selection(dataset, request),
-                return_labels=request.return_labels,
+        dataset = self.store.get(request.dataset)
+        answer = dbscan_query.dbscan(
+            dataset,
+            float(request.eps_m),
+            int(request.min_samples),
+            points=self._selection(dataset, request),
+            return_labels=request.return_labels,
+            earth_radius_m=self.engine.earth_radius_m,
+            limits=self.limits,
+            should_stop=lambda: not context.is_active(),
+        )
+        result = answer.result
+        yield pb.DbscanResponse(
+            summary=pb.DbscanSummary(
+                n_clusters=result.n_clusters,
+                sizes=result.sizes.tolist(),
+                n_noise=result.n_noise,
                 earth_radius_m=self.engine.earth_radius_m,
-                limits=self.limits,
-                should_stop=lambda: not context.is_active(),
+                dataset_version=dataset.version,
             )
-            result = answer.result
-            yield pb.DbscanResponse(
-                summary=pb.DbscanSummary(
-                    n_clusters=result.n_clusters,
-                    sizes=result.sizes.tolist(),
-                    n_noise=result.n_noise,
-                    earth_radius_m=self.engine.earth_radius_m,
-                    dataset_version=dataset.version,
-                )
-            )
-            if request.return_labels:
-                for message in table_to_messages(dbscan_query.label_table(answer)):
-                    yield pb.DbscanResponse(labels=message)
+        )
+        if request.return_labels:
+            for message in table_to_messages(dbscan_query.label_table(answer)):
+                yield pb.DbscanResponse(labels=message)
 
     def Within(self, request, context):
         timing = StageTimes()
-        with _translate(context):
-            with timing.stage("decode"):
-                dataset = self.store.get(request.dataset)
-                area = self._area(request)
-                selected = selected_rows(dataset, _where(request))
-            with timing.stage("search"):
-                query = within_query(
-                    dataset, area, selected=selected, columns=request.columns, limits=self.limits
-                )
-            tables = within_tables(query, context.is_active)
-            yield from _sent(timing.timed(tables, "assemble"), timing)
+        with timing.stage("decode"):
+            dataset = self.store.get(request.dataset)
+            area = self._area(request)
+            selected = selected_rows(dataset, _where(request))
+        with timing.stage("search"):
+            query = within_query(
+                dataset, area, selected=selected, columns=request.columns, limits=self.limits
+            )
+        tables = within_tables(query, context.is_active)
+        yield from _sent(timing.timed(tables, "assemble"), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     def _area(self, request: pb.WithinRequest) -> Bbox | SphericalPolygon:

@@ -20,7 +20,7 @@ import pytest
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
-    GPU_ENGINES,
+    ENGINES,
     Neighbours,
     RadiusNeighbours,
     create_engine,
@@ -197,7 +197,7 @@ def cpu_engine_params(with_dask: bool = True) -> list:
             marks=[pytest.mark.gpu, pytest.mark.skipif(not ok, reason=f"no usable GPU: {why}")],
         )
     )
-    assert "gpu" in GPU_ENGINES
+    assert ENGINES["gpu"].device_kind == "gpu"
     return params
 
 

@@ -167,16 +167,3 @@ def test_server_on_a_local_dask_cluster_answers_like_the_cpu_server(tmp_path) ->
     for got, want in zip(answers["dask"][:2], answers["cpu"][:2], strict=True):
         assert got.equals(want)
     assert answers["dask"][2] == pytest.approx(answers["cpu"][2], rel=1e-9)
-
-
-def test_every_gpu_engine_reports_the_gpu_backend() -> None:
-    """ServerInfo's backend is the engine's device kind: the GPU engines, dask-gpu among
-    them, must say gpu (the registry's list and the classes agree)."""
-    from geonear.service.engines import GPU_ENGINES, _engine_class
-
-    for name in ("numpy-brute", "sklearn", "cpu", "dask"):
-        assert _engine_class(name).device_kind == "cpu"  # type: ignore[attr-defined]
-    from geonear.service.engines.dask_cluster import DaskGPUEngine
-
-    assert "dask-gpu" in GPU_ENGINES
-    assert DaskGPUEngine.device_kind == "gpu"

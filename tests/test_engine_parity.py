@@ -23,7 +23,8 @@ import pytest
 
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
-    GPU_ENGINES,
+    ENGINES,
+    Capability,
     Engine,
     EngineUnavailable,
     Neighbours,
@@ -43,7 +44,8 @@ FLOAT32_MAX_ERROR_M = 4.0
 
 ENGINE_NAMES = [n for n in engine_names() if n != REFERENCE]
 ENGINE_PARAMS = [
-    pytest.param(n, id=n, marks=[pytest.mark.gpu] if n in GPU_ENGINES else []) for n in ENGINE_NAMES
+    pytest.param(n, id=n, marks=[pytest.mark.gpu] if ENGINES[n].device_kind == "gpu" else [])
+    for n in ENGINE_NAMES
 ]
 
 
@@ -66,7 +68,7 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
 
 
 def _needs_spherical_kmeans(engine: Engine) -> None:
-    if not engine.spherical_kmeans:
+    if not engine.spec.can(Capability.SPHERICAL_KMEANS):
         pytest.skip(f"{engine.name}'s k-means is not the spherical definition (documented)")
 
 

@@ -1,4 +1,10 @@
-"""Engines: one interface (``base``), several implementations, chosen by name.
+"""Engines: one interface (``base``), several implementations, each declared once.
+
+Every engine has an :class:`EngineSpec` in :data:`ENGINES`: its name, where it runs,
+what it can answer (:class:`Capability`), the options its constructor takes and a line
+about it. The server, the command line, ServerInfo and ``geonear bench`` all read these
+specs; a query an engine cannot answer is refused before the call (UNIMPLEMENTED, with
+the reason), never met as NotImplementedError at run time.
 
 | name           | KNN / radius                         | matrix, k-means       | needs        |
 |----------------|--------------------------------------|-----------------------|--------------|
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
 
 from geonear.service.engines.base import (
     Engine,
@@ -27,10 +35,14 @@ from geonear.service.engines.base import (
     PointIndex,
     RadiusNeighbours,
 )
+from geonear.service.errors import EngineUnavailable, Unsupported
 from geonear.service.geometry import EARTH_RADIUS_M
 
 __all__ = [
+    "ENGINES",
+    "Capability",
     "Engine",
+    "EngineSpec",
     "EngineUnavailable",
     "KMeansResult",
     "Neighbours",
@@ -38,39 +50,159 @@ __all__ = [
     "RadiusNeighbours",
     "create_engine",
     "engine_names",
+    "engine_spec",
     "gpu_available",
+    "require",
     "runnable_engine_names",
 ]
 
-#: Engine name -> "module:class", imported on first use.
-_ENGINES: dict[str, str] = {
-    "numpy-brute": "geonear.service.engines.reference:ReferenceEngine",
-    "sklearn": "geonear.service.engines.sklearn_balltree:SklearnEngine",
-    "cpu": "geonear.service.engines.cpu:CPUEngine",
-    "gpu": "geonear.service.engines.gpu:GPUEngine",
-    "cuml": "geonear.service.engines.cuml_engines:CumlEngine",
-    "cupy-broadcast": "geonear.service.engines.cuml_engines:CupyBroadcastEngine",
-    "dask": "geonear.service.engines.dask_cluster:DaskEngine",
-    "dask-gpu": "geonear.service.engines.dask_cluster:DaskGPUEngine",
+
+class Capability(StrEnum):
+    """What an engine's index or the engine itself answers.
+
+    Query kinds need these: KNN, KnnJoin and filtered KNN need ``KNN``; Radius,
+    RadiusJoin, CountWithin and DBSCAN need ``RADIUS``; DistanceMatrix needs ``MATRIX``;
+    KMeans needs ``KMEANS``. Filters and areas are answered by building an index of the
+    selected points with the same engine, so they need what the query needs.
+    """
+
+    KNN = "knn"
+    #: Points within a radius and their counts (``PointIndex.radius``/``radius_count``).
+    RADIUS = "radius"
+    #: Great-circle distance matrices (``Engine.distance_matrix``).
+    MATRIX = "matrix"
+    #: k-means of the indexed points (``PointIndex.kmeans``).
+    KMEANS = "kmeans"
+    #: k-means by the spherical definition exactly (cuML's Euclidean KMeans is not).
+    SPHERICAL_KMEANS = "spherical-kmeans"
+
+
+_ALL = frozenset(Capability)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine, declared once."""
+
+    name: str
+    #: "module:class", imported on first use.
+    target: str
+    #: Where its work runs: "cpu" or "gpu" (a GPU engine needs a working CUDA device).
+    device_kind: Literal["cpu", "gpu"]
+    capabilities: frozenset[Capability]
+    summary: str
+    #: Keyword options of its constructor beyond ``earth_radius_m``.
+    options: tuple[str, ...] = ()
+    #: Whether its index lives in the server's process (DBSCAN searches it directly;
+    #: with a distributed index it builds a local one).
+    local_index: bool = True
+
+    def can(self, capability: Capability) -> bool:
+        return capability in self.capabilities
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            "numpy-brute",
+            "geonear.service.engines.reference:ReferenceEngine",
+            "cpu",
+            _ALL,
+            "float64 brute force: the reference every engine matches",
+        ),
+        EngineSpec(
+            "sklearn",
+            "geonear.service.engines.sklearn_balltree:SklearnEngine",
+            "cpu",
+            _ALL,
+            "scikit-learn BallTree(haversine) with an exact float64 re-rank",
+        ),
+        EngineSpec(
+            "cpu",
+            "geonear.service.engines.cpu:CPUEngine",
+            "cpu",
+            _ALL,
+            "SciPy cKDTree on unit vectors, all cores, exact float64 re-rank",
+        ),
+        EngineSpec(
+            "gpu",
+            "geonear.service.engines.gpu:GPUEngine",
+            "gpu",
+            _ALL,
+            "GPU spatial index and fused CuPy kernels, float64 refine",
+            options=("pool_size_bytes", "managed_memory", "leaf_size"),
+        ),
+        EngineSpec(
+            "cuml",
+            "geonear.service.engines.cuml_engines:CumlEngine",
+            "gpu",
+            frozenset({Capability.KNN, Capability.KMEANS}),
+            "cuML NearestNeighbors(haversine) re-ranked, cuML's Euclidean KMeans "
+            "(for comparison: no radius, no matrix)",
+        ),
+        EngineSpec(
+            "cupy-broadcast",
+            "geonear.service.engines.cuml_engines:CupyBroadcastEngine",
+            "gpu",
+            _ALL,
+            "naive CuPy broadcasting brute force (the baseline a GPU index must beat)",
+        ),
+        EngineSpec(
+            "dask",
+            "geonear.service.engines.dask_cluster:DaskEngine",
+            "cpu",
+            _ALL,
+            "partitions on Dask workers, answers merged exactly",
+            options=("scheduler", "local_workers", "partition_dir", "worker_engine"),
+            local_index=False,
+        ),
+        EngineSpec(
+            "dask-gpu",
+            "geonear.service.engines.dask_cluster:DaskGPUEngine",
+            "gpu",
+            _ALL,
+            "the same on dask-cuda workers, each indexing with the gpu engine",
+            options=("scheduler", "local_workers", "partition_dir"),
+            local_index=False,
+        ),
+    )
 }
 
-#: Engines that need a working CUDA device.
-GPU_ENGINES = frozenset({"gpu", "cuml", "cupy-broadcast", "dask-gpu"})
+
+def engine_spec(name: str) -> EngineSpec:
+    """The spec of the engine called ``name``; EngineUnavailable for an unknown name."""
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise EngineUnavailable(
+            f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
+        ) from None
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine cannot run here; the message says why and what to install."""
+def require(engine_name: str, capability: Capability, what: str) -> None:
+    """Refuse ``what`` (a query, named for the message) before the call when the engine
+    called ``engine_name`` cannot answer it: Unsupported (UNIMPLEMENTED) with the reason."""
+    spec = engine_spec(engine_name)
+    if not spec.can(capability):
+        able = [s.name for s in ENGINES.values() if s.can(capability)]
+        raise Unsupported(
+            f"{what} needs {capability.value!r}, which engine {spec.name!r} does not have "
+            f"({spec.summary}); engines with it: {', '.join(able)}",
+            engine=spec.name,
+            capability=capability.value,
+        )
 
 
 def engine_names() -> list[str]:
     """Every engine geonear knows, runnable here or not."""
-    return list(_ENGINES)
+    return list(ENGINES)
 
 
 def runnable_engine_names() -> list[str]:
     """The engines this host can run (GPU engines only with a working GPU)."""
     has_gpu = gpu_available()[0]
-    return [n for n in _ENGINES if has_gpu or n not in GPU_ENGINES]
+    return [n for n, spec in ENGINES.items() if has_gpu or spec.device_kind != "gpu"]
 
 
 _gpu_probe: tuple[bool, str] | None = None
@@ -97,17 +229,12 @@ def gpu_available() -> tuple[bool, str]:
 
 
 def _engine_class(name: str) -> Callable[..., Engine]:
-    try:
-        target = _ENGINES[name]
-    except KeyError:
-        raise EngineUnavailable(
-            f"unknown engine {name!r}; choose one of {', '.join(_ENGINES)}"
-        ) from None
-    if name in GPU_ENGINES:
+    spec = engine_spec(name)
+    if spec.device_kind == "gpu":
         ok, why = gpu_available()
         if not ok:
             raise EngineUnavailable(f"engine {name!r} needs a GPU: {why}")
-    module_name, class_name = target.split(":")
+    module_name, class_name = spec.target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

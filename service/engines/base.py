@@ -16,29 +16,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
 
+# DeviceLost is raised by engines and defined with the service's other errors.
+from geonear.service.errors import DeviceLost as DeviceLost
 from geonear.service.geometry import EARTH_RADIUS_M
+
+if TYPE_CHECKING:
+    from geonear.service.engines import EngineSpec
 
 MatrixDtype = Literal["float64", "float32"]
 #: (query, point) pairs a slice of ``PointIndex.radius_count``'s default may gather at once.
 COUNT_SLICE_PAIRS = 1 << 22
-
-
-class DeviceLost(RuntimeError):
-    """The device failed in a way no later call in this process can recover from.
-
-    Raised by engines in place of their library's error for a sticky CUDA error (an
-    illegal address, a failed launch, a destroyed context, an uncorrectable ECC error):
-    the CUDA context is unusable, so every later call would fail too. The server answers
-    the call UNAVAILABLE, reports NOT_SERVING and exits with a non-zero status so that
-    a supervisor restarts it (``geonear.service.lifecycle``); the new process reloads
-    every dataset. Errors a later call may not meet (out of memory, bad input) are not
-    this one.
-    """
 
 
 @dataclass(frozen=True)
@@ -185,16 +177,24 @@ class PointIndex(ABC):
 class Engine(ABC):
     """A backend: builds indexes and computes distance matrices."""
 
-    #: Name used by ``--engine``/``--engines`` and reported by GetDataset.
+    #: Name used by ``--engine``/``--engines`` and reported by GetDataset; the key of
+    #: the engine's spec (``geonear.service.engines.ENGINES``), which declares the rest.
     name: ClassVar[str]
-    #: "cpu" or "gpu".
-    device_kind: ClassVar[str] = "cpu"
-    #: Whether k-means follows the spherical definition exactly (comparison engines that
-    #: wrap another algorithm, such as cuML's Euclidean KMeans, say False).
-    spherical_kmeans: ClassVar[bool] = True
 
     def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
         self.earth_radius_m = float(earth_radius_m)
+
+    @property
+    def spec(self) -> EngineSpec:
+        """This engine's declaration: where it runs and what it can answer."""
+        from geonear.service.engines import ENGINES
+
+        return ENGINES[self.name]
+
+    @property
+    def device_kind(self) -> str:
+        """"cpu" or "gpu", from the spec."""
+        return self.spec.device_kind
 
     @abstractmethod
     def build_index(self, lat: np.ndarray, lon: np.ndarray) -> PointIndex:

@@ -187,8 +187,6 @@ class CumlEngine(HostEngine):
     """cuML NearestNeighbors(brute, haversine) and KMeans, for comparison (see CumlIndex)."""
 
     name = "cuml"
-    device_kind = "gpu"
-    spherical_kmeans = False  # cuML's KMeans is Euclidean (see CumlIndex.kmeans)
 
     def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
         super().__init__(earth_radius_m)
@@ -346,7 +344,6 @@ class CupyBroadcastEngine(HostEngine):
     """Naive CuPy: broadcasting and argpartition, no index, no fused kernels."""
 
     name = "cupy-broadcast"
-    device_kind = "gpu"
 
     def __init__(self, earth_radius_m: float = EARTH_RADIUS_M) -> None:
         super().__init__(earth_radius_m)

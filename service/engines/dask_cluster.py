@@ -520,7 +520,6 @@ class DaskGPUEngine(DaskEngine):
     """
 
     name = "dask-gpu"
-    device_kind = "gpu"
 
     def __init__(
         self,

@@ -928,7 +928,6 @@ class GPUEngine(Engine):
     """
 
     name = "gpu"
-    device_kind = "gpu"
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from geonear.service.batching import Batcher
-from geonear.service.errors import DatasetNotFound, InvalidInput, LimitExceeded
+from geonear.service.errors import ColumnNotFound, InvalidInput, LimitExceeded, ResultTooLarge
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 from geonear.service.validation import RESERVED, check_coordinates
@@ -55,9 +55,10 @@ def check_result_rows(
     """Refuse an answer of ``rows`` result rows beyond ``max_result_rows``, before any work."""
     cap = limits.result_rows()
     if rows > cap:
-        raise LimitExceeded(
+        raise ResultTooLarge(
             f"{what} would hold {rows} result rows, more than max_result_rows={cap} "
-            f"(setting GEONEAR_MAX_RESULT_ROWS); {advice}"
+            f"(setting GEONEAR_MAX_RESULT_ROWS); {advice}",
+            setting="GEONEAR_MAX_RESULT_ROWS",
         )
 
 
@@ -98,7 +99,7 @@ def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
         if name in RESERVED or name in ("query_index", "rank", "distance_m"):
             raise InvalidInput(f"column {name!r} is always returned; ask only for attributes")
         if name not in names:
-            raise DatasetNotFound(
+            raise ColumnNotFound(
                 f"dataset {dataset.name!r} has no column {name!r}; it has "
                 f"{', '.join(n for n in names if n not in RESERVED) or 'no attributes'}"
             )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from geonear.service.engines import Capability, require
 from geonear.service.errors import Cancelled, InvalidInput
 from geonear.service.queries.common import SLICE_ROWS, check_queries, check_result_rows
 from geonear.service.queries.filters import PointSelection, all_points
@@ -56,6 +57,7 @@ def count_query(
     """The request, checked; an answer beyond ``max_result_rows`` rows (one a query) is
     refused before any counting. The points of a stored ``left`` dataset were checked
     when they were stored: ``max_query_points`` bounds request messages, not them."""
+    require(dataset.engine, Capability.RADIUS, "counting points within a radius")
     if not (np.isfinite(radius_m) and radius_m >= 0):
         raise InvalidInput(f"radius_m must be a finite number >= 0, got {radius_m}")
     if left is None:

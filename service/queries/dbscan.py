@@ -19,6 +19,7 @@ from geonear.service.analytics.dbscan import (
     TooManyNeighbours,
 )
 from geonear.service.analytics.dbscan import dbscan as dbscan_points
+from geonear.service.engines import Capability, engine_spec
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded
 from geonear.service.queries.common import check_result_rows
 from geonear.service.queries.filters import PointSelection, all_points
@@ -28,9 +29,6 @@ from geonear.service.store import DatasetVersion
 #: A core point needing more neighbours than this is no density anyone means; the bound
 #: keeps the refusal explicit instead of a run that can only find noise.
 MAX_MIN_SAMPLES = 1_000_000
-#: Engines whose indexes DBSCAN searches itself (the host engines' own search, the GPU's
-#: kernels); with any other (Dask, cuML) it builds a cKDTree over the points instead.
-INDEX_ENGINES = ("cpu", "numpy-brute", "sklearn", "gpu")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,10 @@ def dbscan(
     lat, lon = dataset.lat, dataset.lon
     if rows is not None:
         lat, lon = lat[rows], lon[rows]
-    index = selection.index if dataset.engine in INDEX_ENGINES else None
+    # DBSCAN searches the engine's own index where it lives in this process and answers
+    # radius queries; with any other (Dask's partitions, cuML's) it builds a cKDTree.
+    spec = engine_spec(dataset.engine)
+    index = selection.index if spec.local_index and spec.can(Capability.RADIUS) else None
     try:
         result = dbscan_points(
             lat,

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from geonear.service.batching import Batcher
-from geonear.service.errors import DatasetNotFound, InvalidInput
+from geonear.service.errors import ColumnNotFound, InvalidInput
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows, take_columns
 from geonear.service.queries.filters import PointSelection
 from geonear.service.queries.knn import KnnQuery, knn_query, knn_slices
@@ -101,7 +101,7 @@ def _checked(dataset: DatasetVersion, columns: Sequence[str], side: str) -> tupl
                 "right_id and distance_m; ask for attributes, lat or lon"
             )
         if name not in names:
-            raise DatasetNotFound(
+            raise ColumnNotFound(
                 f"{side} dataset {dataset.name!r} has no column {name!r}; it has "
                 f"{', '.join(n for n in names if n != 'id')}"
             )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
-from geonear.service.engines import KMeansResult
+from geonear.service.engines import Capability, KMeansResult, require
 from geonear.service.engines.spherical_kmeans import KMeansStopped, stopping_when
 from geonear.service.errors import Cancelled, InvalidInput, LimitExceeded
 from geonear.service.queries.common import check_result_rows
@@ -37,6 +37,7 @@ def kmeans(
     With ``return_labels`` the answer has a row a dataset row, refused beyond
     ``max_result_rows`` before the clustering starts.
     """
+    require(dataset.engine, Capability.KMEANS, "k-means")
     if k > limits.max_k:
         raise LimitExceeded(f"k={k} exceeds max_k={limits.max_k} (setting GEONEAR_MAX_K)")
     if return_labels:

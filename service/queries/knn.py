@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from geonear.service.batching import Batcher
-from geonear.service.engines import Neighbours
+from geonear.service.engines import Capability, Neighbours, require
 from geonear.service.errors import InvalidInput, LimitExceeded
 from geonear.service.queries.common import (
     SEARCH_ROWS,
@@ -83,6 +83,7 @@ def knn_query(
     were stored, so ``max_query_points`` (a bound on request messages) does not apply.
     ``columns`` are not checked then: the caller has.
     """
+    require(dataset.engine, Capability.KNN, "a KNN query")
     if k < 1:
         raise InvalidInput(f"k must be at least 1, got {k}")
     if k > limits.max_k:

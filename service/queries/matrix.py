@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from geonear.service.engines import Engine
+from geonear.service.engines import Capability, Engine, require
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, LimitExceeded
 from geonear.service.queries.common import check_queries
@@ -50,6 +50,7 @@ def distance_tiles(
 
     ``is_active`` is checked between tiles: when the caller is gone, work stops.
     """
+    require(engine.name, Capability.MATRIX, "a distance matrix")
     check_queries(lat1, lon1, limits)
     check_coordinates(lat2, lon2, "matrix columns")
     check_matrix(lat1.shape[0], lat2.shape[0], limits)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from geonear.service.batching import Batcher
-from geonear.service.engines import RadiusNeighbours
+from geonear.service.engines import Capability, RadiusNeighbours, require
 from geonear.service.errors import InvalidInput
 from geonear.service.queries.common import (
     NeighbourRows,
@@ -145,6 +145,7 @@ def _check(
     limits: Limits,
     stored_queries: bool,
 ) -> tuple[str, ...]:
+    require(dataset.engine, Capability.RADIUS, "a radius query")
     if not (np.isfinite(radius_m) and radius_m >= 0):
         raise InvalidInput(f"radius_m must be a finite number >= 0, got {radius_m}")
     if stored_queries:
