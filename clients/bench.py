@@ -46,7 +46,9 @@ from geonear.service.engines import (
 from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 from geonear.service.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 
-OPS = ("knn", "radius", "matrix", "kmeans", "build")
+#: Server-side analytics: each engine through a server of its own (``bench_analytics``).
+ANALYTICS_OPS = ("knn-join", "count-within", "filtered-knn", "dbscan", "within")
+OPS = ("knn", "radius", "matrix", "kmeans", "build", *ANALYTICS_OPS)
 DATA_KINDS = ("uniform", "clustered", "airports", "cities", "cities1000")
 DTYPES = ("float64", "float32")
 #: The scikit-learn KMeans baseline of ``--op kmeans`` (not an engine of the service).
@@ -54,6 +56,14 @@ SKLEARN_KMEANS = "sklearn-kmeans"
 #: Engines the bench knows by name even where this build has not registered them yet.
 GPU_ENGINE_NAMES = ("cupy-broadcast", "gpu", "cuml")
 DEFAULT_ENGINES = ("cpu", "sklearn", "numpy-brute", *GPU_ENGINE_NAMES)
+#: Engines of the served ops (``--served`` and the analytics) when none are named.
+SERVED_ENGINES = ("cpu", "gpu")
+#: Radius of ``--op radius`` when ``--radius-m`` is not given, metres.
+DEFAULT_RADIUS_M = 20_000.0
+#: Points a slow peer of an analytics op is timed on by default (then scaled).
+PEER_POINTS = 100_000
+#: Host memory from which ``--op within`` defaults to 10M points (else 1M), GiB.
+WITHIN_10M_MEMORY_GIB = 64.0
 #: Brute-force engines: (query, point) pairs per timed call; they run on a query subset.
 BRUTE_PAIRS: dict[str, float] = {"numpy-brute": 1e7, "cupy-broadcast": 1e10}
 #: (query, point) pairs of the float64 reference when ``ref_queries`` is not given.
@@ -65,6 +75,11 @@ WORK_UNITS = {
     "matrix": "pairs/s",
     "kmeans": "point-iters/s",
     "build": "points/s",
+    "knn-join": "left points/s",
+    "count-within": "left points/s",
+    "filtered-knn": "queries/s",
+    "dbscan": "points/s",
+    "within": "points/s",
 }
 #: Offset of bundled-set queries from the points they are drawn near, degrees (~10 km).
 _QUERY_JITTER_DEG = 0.1
@@ -74,19 +89,27 @@ _QUERY_JITTER_DEG = 0.1
 class BenchConfig:
     """One bench run: the operation, its sizes and the engines to compare.
 
-    ``n`` is the number of dataset points (matrix columns); ``queries`` the number of
-    query points (matrix rows). ``k`` is neighbours for knn and clusters for kmeans.
-    ``ref_queries`` bounds the queries checked against the float64 reference (default:
-    as many as fit in ``REFERENCE_PAIRS`` pairs, at least 10); ``brute_pairs`` is the
-    (query, point) pair budget of one timed call of a brute-force engine (default: its
-    entry in ``BRUTE_PAIRS``).
+    ``n`` is the number of dataset points (matrix columns; each side of a join or a
+    count); ``queries`` the number of query points (matrix rows). ``k`` is neighbours
+    for knn, knn-join and filtered-knn, and clusters for kmeans. ``radius_m`` is the
+    radius of radius (20 km when None), count-within (None: about 10 neighbours a point
+    for uniform points) and the eps of dbscan (None: about 20 neighbours a point);
+    ``min_samples`` is dbscan's. ``ref_queries`` bounds the queries checked against the
+    float64 reference (default: as many as fit in ``REFERENCE_PAIRS`` pairs, at least
+    10); ``brute_pairs`` is the (query, point) pair budget of one timed call of a
+    brute-force engine (default: its entry in ``BRUTE_PAIRS``); ``peer_points`` the
+    points (left points, or points clustered) a slow peer of an analytics op is timed on
+    (default ``PEER_POINTS``).
+
+    :meth:`for_op` gives an op its own defaults (sizes, data, engines) where the
+    class's are not the op's.
     """
 
     op: str = "knn"
     n: int = 100_000
     queries: int = 10_000
     k: int = 10
-    radius_m: float = 20_000.0
+    radius_m: float | None = None
     max_distance_m: float | None = None
     dtype: str = "float64"
     engines: tuple[str, ...] = DEFAULT_ENGINES
@@ -95,8 +118,10 @@ class BenchConfig:
     repeat: int = 3
     max_iter: int = 20
     tol: float = 0.0
+    min_samples: int = 5
     ref_queries: int | None = None
     brute_pairs: float | None = None
+    peer_points: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, choices in (
@@ -106,40 +131,78 @@ class BenchConfig:
         ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        for name in ("n", "queries", "k", "repeat", "max_iter"):
+        for name in ("n", "queries", "k", "repeat", "max_iter", "min_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.radius_m <= 0:
+        if self.radius_m is not None and not self.radius_m > 0:
             raise ValueError(f"radius_m must be positive, got {self.radius_m}")
+        if self.op == "radius" and self.radius_m is None:
+            object.__setattr__(self, "radius_m", DEFAULT_RADIUS_M)  # frozen: set once, here
         if self.ref_queries is not None and self.ref_queries < 1:
             raise ValueError(f"ref_queries must be at least 1, got {self.ref_queries}")
         if self.brute_pairs is not None and self.brute_pairs < 1:
             raise ValueError(f"brute_pairs must be at least 1, got {self.brute_pairs}")
+        if self.peer_points is not None and self.peer_points < 1:
+            raise ValueError(f"peer_points must be at least 1, got {self.peer_points}")
         if not self.engines:
             raise ValueError("engines must name at least one engine")
+
+    @classmethod
+    def for_op(cls, op: str, **values: Any) -> BenchConfig:
+        """A config of ``op`` from ``values``; those missing or None take the op's
+        defaults (:func:`op_defaults`), then the class's."""
+        given = {name: value for name, value in values.items() if value is not None}
+        return cls(op=op, **{**op_defaults(op), **given})
 
     def command(self) -> str:
         """The ``geonear bench`` command line that reproduces this run."""
         words = ["geonear", "bench", "--op", self.op, "--data", self.data, "--n", str(self.n)]
-        if self.op in ("knn", "radius", "matrix"):
+        if self.op in ("knn", "radius", "matrix", "filtered-knn"):
             words += ["--queries", str(self.queries)]
-        if self.op in ("knn", "kmeans"):
+        if self.op in ("knn", "kmeans", "knn-join", "filtered-knn"):
             words += ["-k", str(self.k)]
         if self.op == "knn" and self.max_distance_m is not None:
             words += ["--max-distance-m", f"{self.max_distance_m:g}"]
-        if self.op == "radius":
+        if self.op in ("radius", "count-within", "dbscan") and self.radius_m is not None:
             words += ["--radius-m", f"{self.radius_m:g}"]
         if self.op == "matrix":
             words += ["--dtype", self.dtype]
         if self.op == "kmeans":
             words += ["--max-iter", str(self.max_iter), "--tol", f"{self.tol:g}"]
+        if self.op == "dbscan":
+            words += ["--min-samples", str(self.min_samples)]
         if self.ref_queries is not None:
             words += ["--ref-queries", str(self.ref_queries)]
         if self.brute_pairs is not None:
             words += ["--brute-pairs", f"{self.brute_pairs:g}"]
+        if self.peer_points is not None:
+            words += ["--peer-points", str(self.peer_points)]
         words += ["--engines", ",".join(self.engines), "--seed", str(self.seed)]
         words += ["--repeat", str(self.repeat)]
         return shlex.join(words)
+
+
+def op_defaults(op: str) -> dict[str, Any]:
+    """Settings in which ``op`` differs from :class:`BenchConfig`'s defaults.
+
+    The analytics ops run the two backends (``SERVED_ENGINES``); knn-join asks k=5;
+    filtered-knn is sized as its target (1M points, 100k queries); dbscan clusters
+    clustered points; within scans 10M points on a host of at least
+    ``WITHIN_10M_MEMORY_GIB`` GiB, 1M elsewhere.
+    """
+    if op not in ANALYTICS_OPS:
+        return {}
+    defaults: dict[str, Any] = {"engines": SERVED_ENGINES}
+    if op == "knn-join":
+        defaults["k"] = 5
+    elif op == "filtered-knn":
+        defaults.update(n=1_000_000, queries=100_000)
+    elif op == "dbscan":
+        defaults["data"] = "clustered"
+    elif op == "within":
+        memory = bench_report.memory_gib() or 0.0
+        defaults["n"] = 10_000_000 if memory >= WITHIN_10M_MEMORY_GIB else 1_000_000
+    return defaults
 
 
 @dataclass(frozen=True)
@@ -181,7 +244,7 @@ def make_data(config: BenchConfig) -> BenchData:
     """The seeded points and queries of ``config.data`` (queries from the same distribution)."""
     from geonear.loaders.synthetic import clustered_points, uniform_points
 
-    n_q = config.queries if config.op in ("knn", "radius", "matrix") else 0
+    n_q = query_count(config)
     if config.data in ("uniform", "clustered"):
         # One draw split in two, so clustered queries fall in the same clusters.
         draw = uniform_points if config.data == "uniform" else clustered_points
@@ -207,6 +270,15 @@ def make_data(config: BenchConfig) -> BenchData:
     return BenchData(
         lat, lon, q_lat, q_lon, f"{config.data} ({lat.shape[0]:,} of {all_lat.shape[0]:,} points)"
     )
+
+
+def query_count(config: BenchConfig) -> int:
+    """Query points of a run: ``queries``, or ``n`` for the left side of a join or a count."""
+    if config.op in ("knn", "radius", "matrix", "filtered-knn"):
+        return config.queries
+    if config.op in ("knn-join", "count-within"):
+        return config.n
+    return 0
 
 
 def reference_queries(config: BenchConfig, n_points: int, n_queries: int) -> int:
@@ -370,7 +442,7 @@ def compute_reference(config: BenchConfig, data: BenchData) -> Any:
         index = create_engine("numpy-brute").build_index(data.lat, data.lon)
         if config.op == "knn":
             return index.knn(data.q_lat[:r], data.q_lon[:r], config.k, config.max_distance_m)
-        return index.radius(data.q_lat[:r], data.q_lon[:r], config.radius_m)
+        return index.radius(data.q_lat[:r], data.q_lon[:r], config.radius_m or DEFAULT_RADIUS_M)
     if config.op == "matrix":
         from geonear.service.geometry import great_circle_m
 
@@ -423,7 +495,16 @@ def run_benchmark(
         (a name here overrides a registered engine of the same name).
     progress : callable, optional
         Called with a line of text as each engine starts.
+
+    The analytics ops (``ANALYTICS_OPS``) are run by
+    :func:`geonear.clients.bench_analytics.run_analytics`, through servers.
     """
+    if config.op in ANALYTICS_OPS:
+        if extra_engines:
+            raise ValueError(f"--op {config.op} runs registered engines through servers only")
+        from geonear.clients import bench_analytics
+
+        return bench_analytics.run_analytics(config, progress=progress)
     extra = dict(extra_engines or {})
     names = _engine_list(config, extra)
     data = make_data(config)
@@ -476,27 +557,61 @@ def _engine_names_arg(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``geonear bench`` on ``parser``."""
+    """The arguments of ``geonear bench`` on ``parser``.
+
+    Size, data and engine options default to None here, meaning the op's default
+    (:func:`op_defaults`), so that an analytics op can differ from the in-process ones.
+    """
     d = BenchConfig()
     parser.description = (
         "Run engines side by side in one process on the same data: time, "
-        "throughput, speed-up and exactness against the float64 reference."
+        "throughput, speed-up and exactness against the float64 reference. The analytics "
+        f"ops ({', '.join(ANALYTICS_OPS)}) run each engine through a server of its own, "
+        "beside peers on the same points."
     )
     parser.add_argument("--op", choices=OPS, default=d.op)
-    parser.add_argument("--n", type=int, default=d.n, help="dataset points (matrix columns)")
-    parser.add_argument("--queries", type=int, default=d.queries, help="query points (matrix rows)")
-    parser.add_argument("-k", type=int, default=d.k, help="neighbours (knn) or clusters (kmeans)")
-    parser.add_argument("--radius-m", type=float, default=d.radius_m)
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help=f"dataset points, each side of a join or count, matrix columns (default "
+        f"{d.n:,}; filtered-knn 1,000,000; within 10,000,000 on a host of "
+        f"{WITHIN_10M_MEMORY_GIB:g}+ GiB, else 1,000,000)",
+    )
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=None,
+        help=f"query points, matrix rows (default {d.queries:,}; filtered-knn 100,000)",
+    )
+    parser.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help=f"neighbours (knn, filtered-knn, knn-join) or clusters (kmeans) "
+        f"(default {d.k}; knn-join 5)",
+    )
+    parser.add_argument(
+        "--radius-m",
+        type=float,
+        default=None,
+        help=f"radius (default {DEFAULT_RADIUS_M:g}), count-within radius (default: about "
+        "10 neighbours a point for uniform points), dbscan eps (default: about 20 "
+        "neighbours a point)",
+    )
     parser.add_argument("--max-distance-m", type=float, default=None, help="knn distance bound")
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="matrix precision")
     parser.add_argument(
         "--engines",
         type=_engine_names_arg,
-        default=d.engines,
-        help=f"comma-separated (default {','.join(d.engines)}; "
-        f"{SKLEARN_KMEANS} is added for --op kmeans)",
+        default=None,
+        help=f"comma-separated (default {','.join(d.engines)}; {SKLEARN_KMEANS} is added "
+        f"for --op kmeans; the analytics ops default to {','.join(SERVED_ENGINES)} and "
+        "add their peers)",
     )
-    parser.add_argument("--data", choices=DATA_KINDS, default=d.data)
+    parser.add_argument(
+        "--data", choices=DATA_KINDS, default=None, help="default uniform; dbscan clustered"
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--repeat", type=int, default=d.repeat, help="warm calls per engine")
     parser.add_argument("--max-iter", type=int, default=d.max_iter, help="k-means iterations")
@@ -507,16 +622,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="k-means tolerance, radians (0: run every iteration)",
     )
     parser.add_argument(
+        "--min-samples",
+        type=int,
+        default=d.min_samples,
+        help="dbscan: points a core point's neighbourhood holds, itself included "
+        "(default scikit-learn's, 5)",
+    )
+    parser.add_argument(
         "--ref-queries",
         type=int,
         default=None,
-        help="queries checked against the float64 reference (default: auto)",
+        help="queries (within: points) checked against the float64 reference (default: auto)",
     )
     parser.add_argument(
         "--brute-pairs",
         type=float,
         default=None,
         help="(query, point) pairs per timed call of a brute-force engine (default: per engine)",
+    )
+    parser.add_argument(
+        "--peer-points",
+        type=int,
+        default=None,
+        help=f"analytics ops: left points (dbscan: points) a slow peer is timed on, "
+        f"then scaled (default {PEER_POINTS:,})",
     )
     parser.add_argument(
         "--served",
@@ -536,8 +665,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     values = {f.name: getattr(args, f.name) for f in fields(BenchConfig) if hasattr(args, f.name)}
-    values["engines"] = tuple(values.get("engines", DEFAULT_ENGINES))
-    return BenchConfig(**values)
+    op = values.pop("op", BenchConfig.op)
+    if values.get("engines") is not None:
+        values["engines"] = tuple(values["engines"])
+    return BenchConfig.for_op(op, **values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -545,7 +676,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     config = config_from_args(args)
-    if getattr(args, "served", False):
+    if getattr(args, "served", False) and config.op not in ANALYTICS_OPS:
         return _run_served(config)
     markdown_to_stdout = getattr(args, "markdown", None) == "-"
     # The table goes to stderr when stdout carries the markdown, so it can be redirected.

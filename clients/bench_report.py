@@ -48,6 +48,28 @@ _EXACTNESS_COLUMNS: dict[str, list[tuple[str, str, str]]] = {
         ("labels =", "label_agreement", "{:.4f}"),
     ],
     "build": [("host MiB", "host_mib", "{:,.1f}"), ("device MiB", "device_mib", "{:,.1f}")],
+    "knn-join": [
+        ("recall", "recall", "{:.4f}"),
+        ("order", "order_agreement", "{:.4f}"),
+        ("max err m", "max_distance_error_m", "{:.2g}"),
+    ],
+    "count-within": [
+        ("found/point", "mean_count", "{:.3g}"),
+        ("wrong", "wrong_counts", "{}"),
+    ],
+    "filtered-knn": [
+        ("selected", "selected_share", "{:.1%}"),
+        ("sel build s", "selected_build_s", "{:.3g}"),
+        ("÷ bound", "bound_ratio", "{:.2f}"),
+        ("recall", "recall", "{:.4f}"),
+        ("max err m", "max_distance_error_m", "{:.2g}"),
+    ],
+    "dbscan": [
+        ("clusters", "n_clusters", "{}"),
+        ("noise", "noise_share", "{:.1%}"),
+        ("labels =", "label_agreement", "{:.4f}"),
+    ],
+    "within": [("inside", "n_inside", "{:,}"), ("wrong", "wrong_points", "{}")],
 }
 
 
@@ -85,7 +107,7 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-def _memory_gib() -> float | None:
+def memory_gib() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
@@ -101,7 +123,7 @@ def machine(results: list[dict[str, Any]]) -> dict[str, Any]:
             if r["status"] == "ok" and r["device"] and not r["device"].startswith("cpu")
         }
     )
-    memory = _memory_gib()
+    memory = memory_gib()
     return {
         "platform": platform.platform(),
         "processor": _processor(),
@@ -219,18 +241,27 @@ def _notes(doc: dict[str, Any]) -> list[str]:
             "are against the cpu engine; sklearn-kmeans is Euclidean KMeans(n_init=1) "
             "on unit vectors, timed with the seeding"
         )
+    notes.extend(doc.get("notes", ()))  # the analytics ops say how they ran and checked
     return notes
 
 
 def title(doc: dict[str, Any]) -> str:
     c, d = doc["config"], doc["data"]
     parts = [c["op"], d["description"], f"{d['n_points']:,} points"]
-    if c["op"] in ("knn", "radius", "matrix"):
+    if c["op"] in ("knn-join", "count-within"):
+        parts[-1] = f"{d['n_queries']:,} x {d['n_points']:,} points"
+    if c["op"] in ("knn", "radius", "matrix", "filtered-knn"):
         parts.append(f"{d['n_queries']:,} queries")
-    if c["op"] in ("knn", "kmeans"):
+    if c["op"] in ("knn", "kmeans", "knn-join", "filtered-knn"):
         parts.append(f"k={c['k']}")
     if c["op"] == "radius":
         parts.append(f"radius {c['radius_m']:g} m")
+    if c["op"] == "count-within":
+        parts.append(f"radius {d['radius_m']:,.0f} m")
+    if c["op"] == "dbscan":
+        parts.append(f"eps {d['eps_m']:,.0f} m, min_samples {d['min_samples']}")
+    if c["op"] == "within":
+        parts.append(d["polygon"])
     if c["op"] == "matrix":
         parts.append(c["dtype"])
     return " · ".join(parts)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import pyarrow as pa
 from geonear._wire import messages_to_table, points_to_message
 from geonear.clients.bench import (
     DEFAULT_ENGINES,
+    SERVED_ENGINES,
     BenchConfig,
     BenchData,
     _synchroniser,
@@ -42,8 +43,6 @@ from geonear.service.timing import TIMING_KEY, parse_timing
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 
-#: Engines compared when ``--engines`` is not given: the two backends.
-SERVED_ENGINES = ("cpu", "gpu")
 #: Seconds a server started for the run gets to listen.
 START_TIMEOUT_S = 120.0
 
@@ -72,8 +71,14 @@ class ServedResult:
 
 
 @contextlib.contextmanager
-def served_engine(engine: str, *, log_dir: Path | None = None) -> Iterator[str]:
-    """A ``geonear serve`` process running ``engine`` on a free port; yields its target."""
+def served_engine(
+    engine: str, *, log_dir: Path | None = None, settings: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """A ``geonear serve`` process running ``engine`` on a free port; yields its target.
+
+    ``settings`` are ``GEONEAR_*`` environment variables of the server (limits a run
+    needs raised), on top of the query-point limit every bench server lifts.
+    """
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_path = folder / f"serve-{engine}.log"
@@ -82,7 +87,7 @@ def served_engine(engine: str, *, log_dir: Path | None = None) -> Iterator[str]:
             *("-m", "geonear", "serve", "--host", "127.0.0.1", "--port", "0"),
             *("--memory-only", "--engine", engine, "--no-request-log"),
         ]
-        env = {**os.environ, "GEONEAR_MAX_QUERY_POINTS": str(10**8)}
+        env = {**os.environ, "GEONEAR_MAX_QUERY_POINTS": str(10**8), **(settings or {})}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env=env)
         try:

@@ -20,6 +20,7 @@ import pytest
 
 from geonear.clients import bench
 from geonear.clients.bench import BenchConfig, run_benchmark
+from geonear.service.engines import ENGINES, EngineSpec
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
 
@@ -44,7 +45,15 @@ class ShiftedIndex(KDTreeIndex):
         return super().kmeans(k, **{**kwargs, "seed": kwargs.get("seed", 0) + 1})
 
 
-class WrongEngine(CPUEngine):
+class RenamedCPUEngine(CPUEngine):
+    """The cpu engine under a name of its own: its spec (device kind, capabilities) is cpu's."""
+
+    @property
+    def spec(self) -> EngineSpec:
+        return ENGINES["cpu"]
+
+
+class WrongEngine(RenamedCPUEngine):
     """The cpu engine with shifted neighbours, k-means from another seed, matrices 10 m long."""
 
     name = "wrong"
@@ -56,7 +65,7 @@ class WrongEngine(CPUEngine):
         return super().distance_matrix(*args, **kwargs) + 10.0
 
 
-class UnfinishedEngine(CPUEngine):
+class UnfinishedEngine(RenamedCPUEngine):
     """An engine that cannot build an index yet."""
 
     name = "unfinished"
