@@ -484,6 +484,56 @@ def _where(args: argparse.Namespace) -> Any:
     return where_from_arguments(getattr(args, "where", None))
 
 
+_BBOX_HELP = (
+    "a box, degrees, bounds included; MIN_LON > MAX_LON crosses the antimeridian; "
+    "one that starts with a minus: {flag}=-10,170,10,-170"
+)
+_POLYGON_HELP = (
+    "a GeoJSON Polygon or MultiPolygon (or a Feature of one), a file or the text itself; "
+    "edges are great-circle arcs and the boundary is inside"
+)
+
+
+def _add_within(p: argparse.ArgumentParser, what: str = "search only the points") -> None:
+    p.add_argument(
+        "--within-bbox",
+        type=_floats,
+        metavar="MIN_LAT,MIN_LON,MAX_LAT,MAX_LON",
+        help=f"{what} in this box (and matching --where): "
+        + _BBOX_HELP.format(flag="--within-bbox"),
+    )
+    p.add_argument(
+        "--within-polygon",
+        metavar="FILE_OR_GEOJSON",
+        help=f"{what} in this polygon (and matching --where): {_POLYGON_HELP}",
+    )
+
+
+def _bbox(values: list[float], flag: str) -> list[float]:
+    if len(values) != 4:
+        raise ValueError(
+            f"{flag} takes 4 numbers, MIN_LAT,MIN_LON,MAX_LAT,MAX_LON; got {len(values)}"
+        )
+    return values
+
+
+def _polygon(text: str) -> str:
+    """GeoJSON given on the command line, or read from the file it names."""
+    if text.lstrip().startswith("{"):
+        return text
+    return Path(text).read_text(encoding="utf-8")
+
+
+def _within_area(args: argparse.Namespace) -> Any:
+    """The area of --within-bbox or --within-polygon, for ``within=``; None without."""
+    bbox, polygon = args.within_bbox, args.within_polygon
+    if bbox is not None and polygon is not None:
+        raise ValueError("give --within-bbox or --within-polygon, not both")
+    if bbox is not None:
+        return tuple(_bbox(bbox, "--within-bbox"))
+    return None if polygon is None else _polygon(polygon)
+
+
 def _query_points(args: argparse.Namespace) -> tuple[Any, Any]:
     """(queries, None) for --queries FILE, else (lat, lon) of --lat/--lon."""
     if args.queries:
@@ -526,6 +576,7 @@ def _knn(client: Client, args: argparse.Namespace) -> int:
         k=args.k,
         max_distance_m=args.max_distance_m,
         where=_where(args),
+        within=_within_area(args),
         columns=_columns(args),
         query_columns=True if lon is None else None,
     )
@@ -541,6 +592,7 @@ def _radius(client: Client, args: argparse.Namespace) -> int:
         lon,
         radius_m=args.radius_m,
         where=_where(args),
+        within=_within_area(args),
         columns=_columns(args),
         query_columns=True if lon is None else None,
         max_per_query=args.max_per_query,
@@ -561,6 +613,7 @@ def _knn_join(client: Client, args: argparse.Namespace) -> int:
         args.k,
         max_distance_m=args.max_distance_m,
         where=_where(args),
+        within=_within_area(args),
         left_columns=_names(args.left_columns),
         right_columns=_names(args.right_columns),
     )
@@ -574,6 +627,7 @@ def _radius_join(client: Client, args: argparse.Namespace) -> int:
         args.right,
         args.radius_m,
         where=_where(args),
+        within=_within_area(args),
         left_columns=_names(args.left_columns),
         right_columns=_names(args.right_columns),
     )
@@ -588,12 +642,18 @@ def _count_within(client: Client, args: argparse.Namespace) -> int:
         if args.queries or args.lat is not None or args.lon is not None:
             raise ValueError("give --left NAME or query points (--lat/--lon, --queries), not both")
         frame = client.count_within(
-            args.name, left=args.left, radius_m=args.radius_m, where=_where(args)
+            args.name,
+            left=args.left,
+            radius_m=args.radius_m,
+            where=_where(args),
+            within=_within_area(args),
         )
         title = f"points of {args.name} within {args.radius_m} m of each of {args.left}"
     else:
         lat, lon = _query_points(args)
-        frame = client.count_within(args.name, lat, lon, args.radius_m, where=_where(args))
+        frame = client.count_within(
+            args.name, lat, lon, args.radius_m, where=_where(args), within=_within_area(args)
+        )
         title = f"points of {args.name} within {args.radius_m} m"
     _write_or_print(frame, args, title)
     return 0
@@ -649,6 +709,8 @@ def _kmeans(client: Client, args: argparse.Namespace) -> int:
         max_iter=args.max_iter,
         tol=args.tol,
         weights=args.weights,
+        where=_where(args),
+        within=_within_area(args),
         return_labels=bool(args.out),
     )
     _print_frame(out.centroids, f"{args.k} clusters of {args.name}", _limit(args))
@@ -668,6 +730,7 @@ def _dbscan(client: Client, args: argparse.Namespace) -> int:
         args.eps_m,
         args.min_samples,
         where=_where(args),
+        within=_within_area(args),
         return_labels=bool(args.out),
     )
     sizes = pd.DataFrame({"cluster": range(out.n_clusters), "size": list(out.sizes)})
@@ -686,18 +749,14 @@ def _within(client: Client, args: argparse.Namespace) -> int:
     if (args.bbox is None) == (args.polygon is None):
         raise ValueError("give --bbox MIN_LAT,MIN_LON,MAX_LAT,MAX_LON or --polygon FILE")
     if args.bbox is not None:
-        if len(args.bbox) != 4:
-            raise ValueError(
-                f"--bbox takes 4 numbers, MIN_LAT,MIN_LON,MAX_LAT,MAX_LON; got {len(args.bbox)}"
-            )
-        frame = client.within(args.name, bbox=args.bbox, columns=_columns(args), where=_where(args))
+        bbox = _bbox(args.bbox, "--bbox")
+        frame = client.within(args.name, bbox=bbox, columns=_columns(args), where=_where(args))
         title = f"points of {args.name} in the box"
     else:
-        polygon = Path(args.polygon).read_text(encoding="utf-8")
         frame = client.within(
-            args.name, polygon=polygon, columns=_columns(args), where=_where(args)
+            args.name, polygon=_polygon(args.polygon), columns=_columns(args), where=_where(args)
         )
-        title = f"points of {args.name} in {args.polygon}"
+        title = f"points of {args.name} in the polygon"
     _write_or_print(frame, args, title)
     return 0
 
@@ -759,6 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_columns(p)
     _add_where(p)
+    _add_within(p)
     _add_output(p)
     p = _client_parser(
         sub, "radius", "points within a radius of query points", _run_client(_radius)
@@ -784,6 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_columns(p)
     _add_where(p)
+    _add_within(p)
     _add_output(p)
     _add_join_commands(sub)
     p = _client_parser(sub, "matrix", "great-circle distance matrix, metres", _run_client(_matrix))
@@ -815,7 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop when no centroid moves more than this, radians",
     )
     p.add_argument("--weights", default=None, help="numeric column holding point weights")
-    _add_output(p, "each point's cluster (id, cluster)")
+    _add_where(p, "cluster only the points")
+    _add_within(p, "cluster only the points")
+    _add_output(p, "each clustered point's cluster (id, cluster)")
     _add_area_commands(sub)
     _add_tool_commands(sub)
     return parser
@@ -841,6 +904,7 @@ def _add_join_commands(sub: Any) -> None:
     )
     _add_join_columns(p)
     _add_where(p, "search only the points of RIGHT")
+    _add_within(p, "search only the points of RIGHT")
     _add_output(p)
     p = _client_parser(
         sub,
@@ -855,6 +919,7 @@ def _add_join_commands(sub: Any) -> None:
     )
     _add_join_columns(p)
     _add_where(p, "search only the points of RIGHT")
+    _add_within(p, "search only the points of RIGHT")
     _add_output(p)
     p = _client_parser(
         sub,
@@ -868,6 +933,7 @@ def _add_join_commands(sub: Any) -> None:
     p.add_argument("--left", metavar="NAME", help="count around every point of this stored dataset")
     p.add_argument("--radius-m", type=float, required=True, metavar="METRES", help="radius, metres")
     _add_where(p, "count only the points of NAME")
+    _add_within(p, "count only the points of NAME")
     _add_output(p)
 
 
@@ -890,6 +956,7 @@ def _add_area_commands(sub: Any) -> None:
         help="points a neighbourhood needs (the point included) for a core point",
     )
     _add_where(p, "cluster only the points")
+    _add_within(p, "cluster only the points")
     _add_output(p, "each clustered point's cluster (id, cluster; -1 noise)")
     p = _client_parser(
         sub,
@@ -902,14 +969,9 @@ def _add_area_commands(sub: Any) -> None:
         "--bbox",
         type=_floats,
         metavar="MIN_LAT,MIN_LON,MAX_LAT,MAX_LON",
-        help="a box, degrees, bounds included; MIN_LON > MAX_LON crosses the antimeridian; "
-        "one that starts with a minus: --bbox=-10,170,10,-170",
+        help=_BBOX_HELP.format(flag="--bbox"),
     )
-    p.add_argument(
-        "--polygon",
-        metavar="FILE",
-        help="a GeoJSON Polygon or MultiPolygon (or a Feature of one); edges are great-circle arcs",
-    )
+    p.add_argument("--polygon", metavar="FILE_OR_GEOJSON", help=_POLYGON_HELP)
     _add_columns(p)
     _add_where(p, "return only the points")
     _add_output(p)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import itertools
-import json
 import os
 import re
 import tempfile
@@ -30,6 +29,7 @@ from geonear._wire import (
     points_to_message,
     table_to_messages,
 )
+from geonear.clients.areas import set_area, within_message
 from geonear.clients.cli_options import DEFAULT_TARGET
 from geonear.clients.errors import GeoNearError, ResourceExhausted, from_rpc_error
 from geonear.clients.filters import filter_message
@@ -498,6 +498,7 @@ class Client:
         *,
         max_distance_m: float | None = None,
         where: Any = None,
+        within: Any = None,
         columns: str | Sequence[str] | None = None,
         query_columns: str | Sequence[str] | bool | None = None,
         layout: str = "rows",
@@ -522,6 +523,12 @@ class Client:
             (ANDed), or a list of such lists (ORed); ops ``==``, ``!=``, ``<``, ``<=``,
             ``>``, ``>=``, ``in``, ``not in``. Exact: the k nearest among the points
             selected, not a filter of the k nearest. A null never matches.
+        within : bbox tuple, GeoJSON, WKB or shapely geometry, optional
+            Search only the points in this area (and selected by ``where``, when
+            given), exactly as ``where``: a box ``(min_lat, min_lon, max_lat,
+            max_lon)`` in degrees (``min_lon > max_lon`` crosses the antimeridian), or a
+            polygon as :meth:`within` takes it (great-circle edges, boundary inside).
+            An area holding no point gives no rows.
         columns : str or sequence of str
             Dataset attribute columns to add; a string is one column name.
         query_columns : str, sequence of str or True, optional
@@ -550,6 +557,7 @@ class Client:
         found = queries(lat, lon, "knn queries")
         wanted = _column_list(columns)
         wire_filter = filter_message(where)
+        wire_area = within_message(within)
         wire_layout = _layout(layout)
 
         def request(points: pb.Points) -> pb.KnnRequest:
@@ -561,6 +569,7 @@ class Client:
                 columns=wanted,
                 layout=wire_layout,
                 where=wire_filter,
+                within=wire_area,
             )
 
         compact = not wanted and layout == "rows" and len(found) * k <= COMPACT_ROWS
@@ -575,6 +584,7 @@ class Client:
         radius_m: float | None = None,
         *,
         where: Any = None,
+        within: Any = None,
         columns: str | Sequence[str] | None = None,
         query_columns: str | Sequence[str] | bool | None = None,
         max_per_query: int | None = None,
@@ -586,8 +596,8 @@ class Client:
         """Every point of ``name`` within ``radius_m`` metres of each query; as :meth:`knn`.
 
         ``layout="per_query"`` gives one row per query with lists of each query's own
-        length. ``where`` searches only the points an attribute filter selects (as
-        :meth:`knn`'s).
+        length. ``where`` searches only the points an attribute filter selects, and
+        ``within`` only those in an area (as :meth:`knn`'s).
         ``sort`` orders each query's points by distance, ``asc`` (nearest first, as the
         server sends them) or ``desc``; ``max_per_query`` keeps the first n of that
         order (like Redis GEOSEARCH ``COUNT n ASC``). Both apply here, in the client,
@@ -598,6 +608,7 @@ class Client:
         found = queries(lat, lon, "radius queries")
         wanted = _column_list(columns)
         wire_filter = filter_message(where)
+        wire_area = within_message(within)
         wire_layout = _layout(layout)
 
         def request(points: pb.Points) -> pb.RadiusRequest:
@@ -608,6 +619,7 @@ class Client:
                 columns=wanted,
                 layout=wire_layout,
                 where=wire_filter,
+                within=wire_area,
             )
 
         compact = not wanted and layout == "rows" and len(found) <= COMPACT_RADIUS_QUERIES
@@ -624,6 +636,7 @@ class Client:
         *,
         left: str | None = None,
         where: Any = None,
+        within: Any = None,
         as_arrow: bool = False,
     ) -> pd.DataFrame | pa.Table:
         """How many points of ``name`` lie within ``radius_m`` metres of each query point,
@@ -640,6 +653,8 @@ class Client:
         where : list of tuples, optional
             Count only the points of ``name`` this attribute filter selects (see
             :meth:`knn`).
+        within : bbox tuple, GeoJSON, WKB or shapely geometry, optional
+            Count only the points of ``name`` in this area (see :meth:`knn`).
         as_arrow : bool
             Return a pyarrow Table.
 
@@ -656,11 +671,16 @@ class Client:
         if radius_m is None:
             raise TypeError("count_within() needs radius_m, metres")
         wire_filter = filter_message(where)
+        wire_area = within_message(within)
         if left is not None:
             if lat is not None or lon is not None:
                 raise ValueError("give query points or left, not both")
             request = pb.CountWithinRequest(
-                dataset=name, left_dataset=left, radius_m=radius_m, where=wire_filter
+                dataset=name,
+                left_dataset=left,
+                radius_m=radius_m,
+                where=wire_filter,
+                within=wire_area,
             )
             table = self._arrow("CountWithin", request)
             return table if as_arrow else table.to_pandas()
@@ -675,6 +695,7 @@ class Client:
                 queries=points_to_message(found.lat[start:stop], found.lon[start:stop]),
                 radius_m=radius_m,
                 where=wire_filter,
+                within=wire_area,
             )
             part = self._arrow("CountWithin", request)
             if start:
@@ -692,6 +713,7 @@ class Client:
         *,
         max_distance_m: float | None = None,
         where: Any = None,
+        within: Any = None,
         left_columns: str | Sequence[str] = (),
         right_columns: str | Sequence[str] = (),
         layout: str = "rows",
@@ -710,6 +732,9 @@ class Client:
             Leave out neighbours farther than this, metres.
         where : list of tuples, optional
             Search only the right points this attribute filter selects (see :meth:`knn`).
+        within : bbox tuple, GeoJSON, WKB or shapely geometry, optional
+            Search only the right points in this area (see :meth:`knn`); every left
+            point is still answered.
         left_columns, right_columns : str or sequence of str
             Columns of each side to add (attributes, lat, lon). A name asked of both
             sides, or named left_id or right_id, gets the suffix ``_left``/``_right``.
@@ -732,6 +757,7 @@ class Client:
             k=k,
             max_distance_m=max_distance_m,
             where=filter_message(where),
+            within=within_message(within),
             left_columns=_column_list(left_columns),
             right_columns=_column_list(right_columns),
             layout=_layout(layout),
@@ -746,6 +772,7 @@ class Client:
         radius_m: float,
         *,
         where: Any = None,
+        within: Any = None,
         left_columns: str | Sequence[str] = (),
         right_columns: str | Sequence[str] = (),
         layout: str = "rows",
@@ -759,6 +786,7 @@ class Client:
             right_dataset=right,
             radius_m=radius_m,
             where=filter_message(where),
+            within=within_message(within),
             left_columns=_column_list(left_columns),
             right_columns=_column_list(right_columns),
             layout=_layout(layout),
@@ -776,6 +804,7 @@ class Client:
         *,
         ids: Sequence[int] | Sequence[str] | None = None,
         where: Any = None,
+        within: Any = None,
         dtype: str = "float64",
     ) -> np.ndarray:
         """Great-circle metres from each query point (rows) to a dataset or a second set.
@@ -783,7 +812,8 @@ class Client:
         Rows are the points (``lat``, ``lon``), or ``lat`` alone as a DataFrame,
         GeoDataFrame or GeoSeries (see :meth:`knn`). Columns are the points of dataset
         ``name`` (in row order, or the rows of ``ids`` in that order, or only the
-        points the filter ``where`` selects, in row order: see :meth:`knn`), or the
+        points the filter ``where`` selects and the area ``within`` holds, in row
+        order: see :meth:`knn`), or the
         points (``lat2``, ``lon2``), which may likewise be one frame given as ``lat2``.
         ``dtype`` float64 is exact; float32 halves the bytes and carries up to about
         4 m error at long range. Returns a NumPy array of shape (rows, columns).
@@ -804,8 +834,11 @@ class Client:
             wire_filter = filter_message(where)
             if wire_filter is not None:
                 request.where.CopyFrom(wire_filter)
-        elif where is not None:
-            raise ValueError("where filters a dataset's points; give the dataset name")
+            wire_area = within_message(within)
+            if wire_area is not None:
+                request.within.CopyFrom(wire_area)
+        elif where is not None or within is not None:
+            raise ValueError("where and within select a dataset's points; give the dataset name")
         elif lat2 is not None:
             columns = queries(lat2, lon2, "matrix columns")
             request.targets.CopyFrom(points_to_message(columns.lat, columns.lon))
@@ -834,9 +867,17 @@ class Client:
         max_iter: int = 100,
         tol: float = 1e-6,
         weights: str | None = None,
+        where: Any = None,
+        within: Any = None,
         return_labels: bool = False,
     ) -> KMeansOutcome:
-        """Spherical k-means of dataset ``name``; ``weights`` names a numeric column."""
+        """Spherical k-means of dataset ``name``; ``weights`` names a numeric column.
+
+        ``where`` (an attribute filter) and ``within`` (an area) cluster only the points
+        they select (see :meth:`knn`): the answer is that of a dataset holding only
+        them, ``k`` at most their number, and ``labels`` (id, cluster) covers only them,
+        in row order.
+        """
         request = pb.KMeansRequest(
             dataset=name,
             k=k,
@@ -846,6 +887,8 @@ class Client:
             tol=tol,
             weight_column=weights or "",
             return_labels=return_labels,
+            where=filter_message(where),
+            within=within_message(within),
         )
         messages = self._stream("KMeans", request)
         summary = messages[0].summary
@@ -867,6 +910,7 @@ class Client:
         min_samples: int,
         *,
         where: Any = None,
+        within: Any = None,
         return_labels: bool = True,
     ) -> DbscanOutcome:
         """DBSCAN density clusters of dataset ``name`` by great-circle distance.
@@ -879,6 +923,8 @@ class Client:
             Points a neighbourhood needs, the point itself included, for a core point.
         where : list of tuples, optional
             Cluster only the points this attribute filter selects (see :meth:`knn`).
+        within : bbox tuple, GeoJSON, WKB or shapely geometry, optional
+            Cluster only the points in this area (see :meth:`knn`).
         return_labels : bool
             Also fetch each clustered point's label (id, cluster; -1 for noise).
 
@@ -892,6 +938,7 @@ class Client:
             eps_m=eps_m,
             min_samples=min_samples,
             where=filter_message(where),
+            within=within_message(within),
             return_labels=return_labels,
         )
         messages = self._stream("Dbscan", request)
@@ -940,18 +987,7 @@ class Client:
         request = pb.WithinRequest(
             dataset=name, columns=_column_list(columns), where=filter_message(where)
         )
-        if bbox is not None:
-            min_lat, min_lon, max_lat, max_lon = (float(v) for v in bbox)
-            request.bbox.CopyFrom(
-                pb.BoundingBox(min_lat=min_lat, min_lon=min_lon, max_lat=max_lat, max_lon=max_lon)
-            )
-        elif isinstance(polygon, bytes | bytearray | memoryview):
-            request.polygon_wkb = bytes(polygon)
-        else:
-            if hasattr(polygon, "__geo_interface__"):
-                polygon = polygon.__geo_interface__
-            text = polygon if isinstance(polygon, str) else json.dumps(polygon)
-            request.polygon_geojson = text.encode("utf-8")
+        set_area(request, bbox=bbox, polygon=polygon)
         table = self._arrow("Within", request)
         return table if as_arrow else table.to_pandas()
 

@@ -23,7 +23,7 @@ from geonear._wire import (
     table_to_messages,
     tables_to_messages,
 )
-from geonear.service.analytics.areas import Bbox, SphericalPolygon
+from geonear.service.analytics.areas import Area
 from geonear.service.batching import Batcher
 from geonear.service.engines import Engine, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
@@ -191,6 +191,35 @@ def _where(message: Any) -> Filter | None:
     return parse_filter(groups)
 
 
+def _area(message: Any, oneof: str) -> Area:
+    """The box or polygon set in ``message``'s oneof ``oneof`` (an Area's or a
+    WithinRequest's: the same fields)."""
+    kind = message.WhichOneof(oneof)
+    if kind == "bbox":
+        b = message.bbox
+        return bbox_area(b.min_lat, b.min_lon, b.max_lat, b.max_lon)
+    if kind == "polygon_geojson":
+        return polygon_area(geojson=message.polygon_geojson)
+    if kind == "polygon_wkb":
+        return polygon_area(wkb=message.polygon_wkb)
+    raise InvalidInput("give an area: bbox, polygon_geojson or polygon_wkb")
+
+
+def _within(message: Any) -> Area | None:
+    """The ``within`` field of a request as the domain's area; None when unset."""
+    if not message.HasField("within"):
+        return None
+    try:
+        return _area(message.within, "kind")
+    except InvalidInput as exc:
+        raise InvalidInput(f"within: {exc}", **exc.metadata) from exc
+
+
+def _selects(message: Any) -> bool:
+    """Whether a request restricts the points it searches (``where`` or ``within``)."""
+    return message.HasField("where") or message.HasField("within")
+
+
 def _sent(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
     """``tables`` as one Arrow stream, encoded one slice or two ahead of the sender."""
     messages = timing.timed(tables_to_messages(tables), "encode", nested=True)
@@ -340,9 +369,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         }
 
     def _selection(self, dataset: DatasetVersion, request: Any) -> PointSelection | None:
-        """The points a request's ``where`` selects, with their index (None: all)."""
-        where = _where(request)
-        return None if where is None else self.filtered.select(dataset, where)
+        """The points a request's ``where`` selects and its ``within`` area holds, with
+        their index (None: all)."""
+        where, area = _where(request), _within(request)
+        if where is None and area is None:
+            return None
+        return self.filtered.select(dataset, where, area)
 
     # Knn and Radius stream answers of any size from a server thread, searched, assembled
     # and sent a slice of queries at a time, the next slice made while one is sent; the
@@ -427,10 +459,10 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     async def KnnCompact(self, request, context):
         _refuse_columns(request, "KnnCompact", "Knn")
-        # A new filter's index is built off the event loop.
+        # A new filter's or area's index is built off the event loop.
         args = (
             await asyncio.to_thread(self._knn_args, request)
-            if request.HasField("where")
+            if _selects(request)
             else self._knn_args(request)
         )
         query = knn_query(**args)
@@ -442,7 +474,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         _refuse_columns(request, "RadiusCompact", "Radius")
         args = (
             await asyncio.to_thread(self._radius_args, request)
-            if request.HasField("where")
+            if _selects(request)
             else self._radius_args(request)
         )
         query = await radius_query_async(**args)
@@ -492,8 +524,10 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
         if not request.dataset:
-            if request.HasField("ids") or request.HasField("where"):
-                raise InvalidInput("ids and where select columns of a dataset; name the dataset")
+            if request.HasField("ids") or _selects(request):
+                raise InvalidInput(
+                    "ids, where and within select columns of a dataset; name the dataset"
+                )
             if not request.HasField("targets"):
                 raise InvalidInput("give a dataset or inline targets for the matrix columns")
             return points_from_message(request.targets)
@@ -503,12 +537,12 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             raise InvalidInput("matrix ids: give int_ids or string_ids, not both")
         dataset = self.store.get(request.dataset)
         if not request.HasField("ids") or not (request.ids.int_ids or request.ids.string_ids):
-            rows = selected_rows(dataset, _where(request))
+            rows = selected_rows(dataset, _where(request), _within(request))
             if rows is None:
                 return dataset.lat, dataset.lon
             return dataset.lat[rows], dataset.lon[rows]
-        if _where(request) is not None:
-            raise InvalidInput("matrix columns: give ids or a filter (where), not both")
+        if _where(request) is not None or _within(request) is not None:
+            raise InvalidInput("matrix columns: give ids or a selection (where, within), not both")
         wanted: list[int] | list[str] = list(request.ids.int_ids) or list(request.ids.string_ids)
         id_col = dataset.table.column("id")
         try:
@@ -528,7 +562,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     def KMeans(self, request, context):
         dataset = self.store.get(request.dataset)
-        result = kmeans_query.kmeans(
+        answer = kmeans_query.kmeans(
             dataset,
             int(request.k),
             seed=int(request.seed),
@@ -537,9 +571,11 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             tol=request.tol or 1e-6,
             weight_column=request.weight_column,
             return_labels=request.return_labels,
+            points=self._selection(dataset, request),
             limits=self.limits,
             should_stop=lambda: not context.is_active(),
         )
+        result = answer.result
         # k <= max_k keeps the centroid table small enough for one message.
         (centroids,) = table_to_messages(kmeans_query.centroid_table(result), batch_bytes=1 << 62)
         yield pb.KMeansResponse(
@@ -552,7 +588,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             )
         )
         if request.return_labels:
-            for message in table_to_messages(kmeans_query.label_table(dataset, result)):
+            for message in table_to_messages(kmeans_query.label_table(answer)):
                 yield pb.KMeansResponse(labels=message)
 
     def CountWithin(self, request, context):
@@ -665,7 +701,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         timing = StageTimes()
         with timing.stage("decode"):
             dataset = self.store.get(request.dataset)
-            area = self._area(request)
+            area = _area(request, "area")
             selected = selected_rows(dataset, _where(request))
         with timing.stage("search"):
             query = within_query(
@@ -674,17 +710,6 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         tables = within_tables(query, context.is_active)
         yield from _sent(timing.timed(tables, "assemble"), timing)
         context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
-
-    def _area(self, request: pb.WithinRequest) -> Bbox | SphericalPolygon:
-        kind = request.WhichOneof("area")
-        if kind == "bbox":
-            b = request.bbox
-            return bbox_area(b.min_lat, b.min_lon, b.max_lat, b.max_lon)
-        if kind == "polygon_geojson":
-            return polygon_area(geojson=request.polygon_geojson)
-        if kind == "polygon_wkb":
-            return polygon_area(wkb=request.polygon_wkb)
-        raise InvalidInput("give an area: bbox, polygon_geojson or polygon_wkb")
 
     def ServerInfo(self, request, context):
         used, total = self.engine.memory_pool_bytes()

@@ -71,9 +71,11 @@ from geonear.service.geometry import unit_vectors
 __all__ = [
     "EDGE_TOLERANCE_RAD",
     "MAX_VERTICES",
+    "Area",
     "Bbox",
     "InvalidArea",
     "SphericalPolygon",
+    "area_mask",
     "bbox_mask",
     "polygon_mask",
 ]
@@ -321,6 +323,14 @@ class SphericalPolygon:
         )
         self._check_holes_inside()
         self.bbox = self._bounding_box()
+        # The same rings, vertex for vertex, read the same way are the same area (however
+        # they were encoded): what keys the indexes of the points in an area.
+        self._identity = (
+            self.oriented,
+            vertices.tobytes(),
+            ring_start.tobytes(),
+            np.asarray(polygon_start, dtype=np.int64).tobytes(),
+        )
 
     # -- construction from encodings -------------------------------------------------
 
@@ -362,6 +372,14 @@ class SphericalPolygon:
     def edges(self, xp: Any = np) -> _Edges:
         """The precomputed edge arrays in namespace ``xp`` (for ``polygon_mask``)."""
         return self._edges.to(xp)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SphericalPolygon):
+            return NotImplemented
+        return self._identity == other._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
 
     def __repr__(self) -> str:
         return (
@@ -418,6 +436,17 @@ class SphericalPolygon:
             return Bbox(min_lat, -180.0, max_lat, 180.0)
         start, width = span[0] - margin, span[1] + 2 * margin
         return Bbox(min_lat, _wrap_lon(start), max_lat, _wrap_lon(start + width))
+
+
+#: An area: a box or a polygon.
+Area = Bbox | SphericalPolygon
+
+
+def area_mask(lat: Any, lon: Any, area: Area, xp: Any = np) -> Any:
+    """Which points (degrees, shape (n,)) lie in ``area``: bool array of shape (n,)."""
+    if isinstance(area, Bbox):
+        return bbox_mask(lat, lon, area, xp)
+    return polygon_mask(lat, lon, area, xp)
 
 
 def polygon_mask(lat: Any, lon: Any, polygon: SphericalPolygon, xp: Any = np) -> Any:

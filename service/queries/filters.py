@@ -1,4 +1,5 @@
-"""Attribute filters (``where``): which of a dataset's points a query searches.
+"""Attribute filters (``where``) and areas (``within``): which of a dataset's points a
+query searches.
 
 A filter has the form pyarrow and Dask take as ``filters=``: a list of
 ``(column, op, value)`` predicates, ANDed, or a list of such lists, ORed. The ops are
@@ -9,6 +10,10 @@ and floating columns (exactly: ``n < 2.5`` on integers is ``n <= 2``), strings a
 string columns, booleans against bool columns, timestamps (or ISO 8601 strings) against
 timestamp and date columns; anything else is INVALID_ARGUMENT naming the column. A null
 never matches, not even ``!=`` or ``not in``.
+
+An area (a box or a spherical polygon, ``geonear.service.analytics.areas``) selects the
+points inside it; with a filter too, the points both select (AND). Everything below
+holds for either or both: "the selected points" are those.
 
 The rule for answering a filtered query: a temporary index of the selected points,
 always. The dataset's own engine builds it (``engine.build_index(lat[rows], lon[rows])``
@@ -21,8 +26,8 @@ cannot promise. The other way, a mask applied inside each engine's search, saves
 build (linear in the points selected) but needs every engine's search changed; it is
 left for the GPU kernels, where it would pay most.
 
-Built indexes are kept per (dataset version, filter) in a small LRU bounded by entries
-and bytes (:class:`FilteredIndexes`), so repeated filtered queries don't rebuild. A
+Built indexes are kept per (dataset version, filter, area) in a small LRU bounded by
+entries and bytes (:class:`FilteredIndexes`), so repeated filtered queries don't rebuild. A
 version never changes, so an entry never goes stale; the entries of a version go when
 nothing holds the version any more.
 """
@@ -42,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from geonear.service.analytics.areas import Area, area_mask
 from geonear.service.engines import Engine, Neighbours, PointIndex, RadiusNeighbours
 from geonear.service.errors import InvalidInput
 from geonear.service.settings import physical_memory_bytes
@@ -467,6 +473,10 @@ def default_cache_bytes() -> int:
     return max(CACHE_MIN_BYTES, physical_memory_bytes() // 16)
 
 
+#: What keys a selection's index: dataset version (its id), checked filter, area.
+_Key = tuple[int, CheckedFilter | None, Area | None]
+
+
 @dataclass(frozen=True)
 class _Entry:
     rows: np.ndarray | None  # None: every row (the dataset's own index serves)
@@ -475,7 +485,8 @@ class _Entry:
 
 
 class FilteredIndexes:
-    """Indexes of the points filters select, per (dataset version, filter), in an LRU.
+    """Indexes of the points filters and areas select, per (dataset version, filter,
+    area), in an LRU.
 
     Bounded by ``max_entries`` and ``max_bytes`` (host and device bytes of the indexes
     and their row maps). Concurrent queries with one new filter build its index once.
@@ -487,8 +498,8 @@ class FilteredIndexes:
         self.engine = engine
         self.max_entries = max_entries
         self.max_bytes = default_cache_bytes() if max_bytes is None else max_bytes
-        self._entries: OrderedDict[tuple[int, CheckedFilter], _Entry] = OrderedDict()
-        self._building: dict[tuple[int, CheckedFilter], threading.Lock] = {}
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()
+        self._building: dict[_Key, threading.Lock] = {}
         self._watched: dict[int, weakref.ref[DatasetVersion]] = {}
         self._gone: list[int] = []
         self._lock = threading.Lock()
@@ -503,12 +514,15 @@ class FilteredIndexes:
         with self._lock:
             return len(self._entries)
 
-    def select(self, dataset: DatasetVersion, where: Filter | None) -> PointSelection:
-        """The points of ``dataset`` that ``where`` selects, with their index."""
-        if where is None:
+    def select(
+        self, dataset: DatasetVersion, where: Filter | None, area: Area | None = None
+    ) -> PointSelection:
+        """The points of ``dataset`` that ``where`` selects and ``area`` holds (None:
+        no condition), with their index."""
+        if where is None and area is None:
             return all_points(dataset)
-        checked = check_filter(dataset, where)
-        key = (id(dataset), checked)
+        checked = None if where is None else check_filter(dataset, where)
+        key = (id(dataset), checked, area)
         entry = self._lookup(key)
         if entry is None:
             with self._lock:
@@ -516,7 +530,7 @@ class FilteredIndexes:
             with building:
                 entry = self._lookup(key)
                 if entry is None:
-                    entry = self._build(dataset, checked)
+                    entry = self._build(dataset, checked, area)
                     self._keep(dataset, key, entry)
             with self._lock:
                 self._building.pop(key, None)
@@ -525,7 +539,7 @@ class FilteredIndexes:
         assert entry.index is not None
         return PointSelection(entry.index, entry.rows)
 
-    def _lookup(self, key: tuple[int, CheckedFilter]) -> _Entry | None:
+    def _lookup(self, key: _Key) -> _Entry | None:
         with self._lock:
             self._forget_gone()
             entry = self._entries.get(key)
@@ -533,9 +547,10 @@ class FilteredIndexes:
                 self._entries.move_to_end(key)
             return entry
 
-    def _build(self, dataset: DatasetVersion, checked: CheckedFilter) -> _Entry:
-        mask = row_mask(dataset, checked)
-        rows = np.flatnonzero(mask)
+    def _build(
+        self, dataset: DatasetVersion, checked: CheckedFilter | None, area: Area | None
+    ) -> _Entry:
+        rows = _rows(dataset, checked, area)
         if rows.shape[0] == dataset.rows:
             return _Entry(None, None, 0)
         if rows.shape[0] == 0:
@@ -546,7 +561,7 @@ class FilteredIndexes:
         self.builds += 1
         return _Entry(rows, index, int(rows.nbytes + index.host_bytes + index.device_bytes))
 
-    def _keep(self, dataset: DatasetVersion, key: tuple[int, CheckedFilter], entry: _Entry) -> None:
+    def _keep(self, dataset: DatasetVersion, key: _Key, entry: _Entry) -> None:
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
@@ -573,9 +588,25 @@ class FilteredIndexes:
                 del self._entries[key]
 
 
-def selected_rows(dataset: DatasetVersion, where: Filter | None) -> np.ndarray | None:
-    """Row numbers of the points ``where`` selects, in row order; None for all of them."""
-    if where is None:
+def _rows(dataset: DatasetVersion, checked: CheckedFilter | None, area: Area | None) -> np.ndarray:
+    """Rows that ``checked`` selects and ``area`` holds, in row order (at least one set)."""
+    if checked is None:
+        assert area is not None
+        return np.flatnonzero(area_mask(dataset.lat, dataset.lon, area))
+    rows = np.flatnonzero(row_mask(dataset, checked))
+    if area is None:
+        return rows
+    # The area tests only the rows the filter kept: a polygon's test costs per point.
+    return rows[area_mask(dataset.lat[rows], dataset.lon[rows], area)]
+
+
+def selected_rows(
+    dataset: DatasetVersion, where: Filter | None, area: Area | None = None
+) -> np.ndarray | None:
+    """Row numbers of the points ``where`` selects and ``area`` holds, in row order;
+    None for all of them."""
+    if where is None and area is None:
         return None
-    rows = np.flatnonzero(row_mask(dataset, check_filter(dataset, where)))
+    checked = None if where is None else check_filter(dataset, where)
+    rows = _rows(dataset, checked, area)
     return None if rows.shape[0] == dataset.rows else rows

@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 
 from geonear.service.analytics.areas import (
+    Area,
     Bbox,
     InvalidArea,
     SphericalPolygon,
-    bbox_mask,
-    polygon_mask,
+    area_mask,
 )
 from geonear.service.errors import Cancelled, InvalidInput
 from geonear.service.queries.common import (
@@ -30,8 +30,6 @@ from geonear.service.queries.common import (
 )
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
-
-Area = Bbox | SphericalPolygon
 
 
 def bbox_area(min_lat: float, min_lon: float, max_lat: float, max_lon: float) -> Bbox:
@@ -78,7 +76,7 @@ def within_query(
     lat, lon = dataset.lat, dataset.lon
     if selected is not None:
         lat, lon = lat[selected], lon[selected]
-    mask = bbox_mask(lat, lon, area) if isinstance(area, Bbox) else polygon_mask(lat, lon, area)
+    mask = area_mask(lat, lon, area)
     rows = np.flatnonzero(mask) if selected is None else selected[mask]
     check_result_rows(
         int(rows.shape[0]),

@@ -248,8 +248,18 @@ class Predicate(_message.Message):
     values: ValueList
     def __init__(self, column: _Optional[str] = ..., op: _Optional[_Union[FilterOp, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., values: _Optional[_Union[ValueList, _Mapping]] = ...) -> None: ...
 
+class Area(_message.Message):
+    __slots__ = ("bbox", "polygon_geojson", "polygon_wkb")
+    BBOX_FIELD_NUMBER: _ClassVar[int]
+    POLYGON_GEOJSON_FIELD_NUMBER: _ClassVar[int]
+    POLYGON_WKB_FIELD_NUMBER: _ClassVar[int]
+    bbox: BoundingBox
+    polygon_geojson: bytes
+    polygon_wkb: bytes
+    def __init__(self, bbox: _Optional[_Union[BoundingBox, _Mapping]] = ..., polygon_geojson: _Optional[bytes] = ..., polygon_wkb: _Optional[bytes] = ...) -> None: ...
+
 class KnnRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns", "layout", "where")
+    __slots__ = ("dataset", "queries", "k", "max_distance_m", "columns", "layout", "where", "within")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +267,7 @@ class KnnRequest(_message.Message):
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     k: int
@@ -264,23 +275,26 @@ class KnnRequest(_message.Message):
     columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
     where: Filter
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+    within: Area
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class RadiusRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "radius_m", "columns", "layout", "where")
+    __slots__ = ("dataset", "queries", "radius_m", "columns", "layout", "where", "within")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     radius_m: float
     columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
     where: Filter
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+    within: Area
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., radius_m: _Optional[float] = ..., columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class CompactNeighbours(_message.Message):
     __slots__ = ("query_index", "rank", "int_ids", "string_ids", "distance_m", "earth_radius_m", "dataset_version")
@@ -309,20 +323,22 @@ class IdList(_message.Message):
     def __init__(self, int_ids: _Optional[_Iterable[int]] = ..., string_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DistanceMatrixRequest(_message.Message):
-    __slots__ = ("queries", "dataset", "ids", "targets", "dtype", "where")
+    __slots__ = ("queries", "dataset", "ids", "targets", "dtype", "where", "within")
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     queries: Points
     dataset: str
     ids: IdList
     targets: Points
     dtype: MatrixDtype
     where: Filter
-    def __init__(self, queries: _Optional[_Union[Points, _Mapping]] = ..., dataset: _Optional[str] = ..., ids: _Optional[_Union[IdList, _Mapping]] = ..., targets: _Optional[_Union[Points, _Mapping]] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+    within: Area
+    def __init__(self, queries: _Optional[_Union[Points, _Mapping]] = ..., dataset: _Optional[str] = ..., ids: _Optional[_Union[IdList, _Mapping]] = ..., targets: _Optional[_Union[Points, _Mapping]] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class MatrixTile(_message.Message):
     __slots__ = ("row_start", "col_start", "row_count", "col_count", "values", "total_rows", "total_cols", "earth_radius_m", "dtype")
@@ -347,7 +363,7 @@ class MatrixTile(_message.Message):
     def __init__(self, row_start: _Optional[int] = ..., col_start: _Optional[int] = ..., row_count: _Optional[int] = ..., col_count: _Optional[int] = ..., values: _Optional[bytes] = ..., total_rows: _Optional[int] = ..., total_cols: _Optional[int] = ..., earth_radius_m: _Optional[float] = ..., dtype: _Optional[_Union[MatrixDtype, str]] = ...) -> None: ...
 
 class KMeansRequest(_message.Message):
-    __slots__ = ("dataset", "k", "seed", "n_init", "max_iter", "tol", "weight_column", "return_labels")
+    __slots__ = ("dataset", "k", "seed", "n_init", "max_iter", "tol", "weight_column", "return_labels", "where", "within")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +372,8 @@ class KMeansRequest(_message.Message):
     TOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_COLUMN_FIELD_NUMBER: _ClassVar[int]
     RETURN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     k: int
     seed: int
@@ -364,7 +382,9 @@ class KMeansRequest(_message.Message):
     tol: float
     weight_column: str
     return_labels: bool
-    def __init__(self, dataset: _Optional[str] = ..., k: _Optional[int] = ..., seed: _Optional[int] = ..., n_init: _Optional[int] = ..., max_iter: _Optional[int] = ..., tol: _Optional[float] = ..., weight_column: _Optional[str] = ..., return_labels: _Optional[bool] = ...) -> None: ...
+    where: Filter
+    within: Area
+    def __init__(self, dataset: _Optional[str] = ..., k: _Optional[int] = ..., seed: _Optional[int] = ..., n_init: _Optional[int] = ..., max_iter: _Optional[int] = ..., tol: _Optional[float] = ..., weight_column: _Optional[str] = ..., return_labels: _Optional[bool] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class KMeansSummary(_message.Message):
     __slots__ = ("centroids", "inertia_m2", "n_iter", "earth_radius_m", "dataset_version")
@@ -389,21 +409,23 @@ class KMeansResponse(_message.Message):
     def __init__(self, summary: _Optional[_Union[KMeansSummary, _Mapping]] = ..., labels: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
 
 class CountWithinRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "left_dataset", "radius_m", "where")
+    __slots__ = ("dataset", "queries", "left_dataset", "radius_m", "where", "within")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     left_dataset: str
     radius_m: float
     where: Filter
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+    within: Area
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class KnnJoinRequest(_message.Message):
-    __slots__ = ("left_dataset", "right_dataset", "k", "max_distance_m", "where", "left_columns", "right_columns", "layout")
+    __slots__ = ("left_dataset", "right_dataset", "k", "max_distance_m", "where", "left_columns", "right_columns", "layout", "within")
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +434,7 @@ class KnnJoinRequest(_message.Message):
     LEFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     left_dataset: str
     right_dataset: str
     k: int
@@ -420,10 +443,11 @@ class KnnJoinRequest(_message.Message):
     left_columns: _containers.RepeatedScalarFieldContainer[str]
     right_columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
-    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+    within: Area
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class RadiusJoinRequest(_message.Message):
-    __slots__ = ("left_dataset", "right_dataset", "radius_m", "where", "left_columns", "right_columns", "layout")
+    __slots__ = ("left_dataset", "right_dataset", "radius_m", "where", "left_columns", "right_columns", "layout", "within")
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +455,7 @@ class RadiusJoinRequest(_message.Message):
     LEFT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     left_dataset: str
     right_dataset: str
     radius_m: float
@@ -438,21 +463,24 @@ class RadiusJoinRequest(_message.Message):
     left_columns: _containers.RepeatedScalarFieldContainer[str]
     right_columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
-    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ...) -> None: ...
+    within: Area
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class DbscanRequest(_message.Message):
-    __slots__ = ("dataset", "eps_m", "min_samples", "where", "return_labels")
+    __slots__ = ("dataset", "eps_m", "min_samples", "where", "return_labels", "within")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     EPS_M_FIELD_NUMBER: _ClassVar[int]
     MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     eps_m: float
     min_samples: int
     where: Filter
     return_labels: bool
-    def __init__(self, dataset: _Optional[str] = ..., eps_m: _Optional[float] = ..., min_samples: _Optional[int] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., return_labels: _Optional[bool] = ...) -> None: ...
+    within: Area
+    def __init__(self, dataset: _Optional[str] = ..., eps_m: _Optional[float] = ..., min_samples: _Optional[int] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., return_labels: _Optional[bool] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
 
 class DbscanSummary(_message.Message):
     __slots__ = ("n_clusters", "sizes", "n_noise", "earth_radius_m", "dataset_version")

@@ -173,11 +173,13 @@ class GeoNearServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Knn(self, request, context):
-        """k nearest neighbours of each query point, nearest first. Streams one Arrow table in
-        the request's layout (ResultLayout): by default one row per neighbour with columns
-        query_index (int64), rank (int32, 0 = nearest), id, distance_m (float64), then the
-        requested attribute columns. Large answers are searched, encoded and sent a slice of
-        queries at a time, each slice searched while the one before it is being sent.
+        """k nearest neighbours of each query point, nearest first, among the dataset's points
+        (optionally only those matching `where` and inside `within`). Streams one Arrow
+        table in the request's layout (ResultLayout): by default one row per neighbour with
+        columns query_index (int64), rank (int32, 0 = nearest), id, distance_m (float64),
+        then the requested attribute columns. Large answers are searched, encoded and sent
+        a slice of queries at a time, each slice searched while the one before it is being
+        sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,15 +233,17 @@ class GeoNearServicer:
 
     def DistanceMatrix(self, request, context):
         """Great-circle distances between query points and a dataset (or a subset of it by
-        id or by a filter, or a second inline point set), streamed as row-major tiles.
+        id, by a filter or by an area, or a second inline point set), streamed as
+        row-major tiles.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def KMeans(self, request, context):
-        """Spherical k-means over a dataset. The first message is the summary (centroids,
-        inertia, iterations); per-point labels follow when requested.
+        """Spherical k-means over a dataset's points (optionally only those matching `where`
+        and inside `within`). The first message is the summary (centroids, inertia,
+        iterations); per-point labels of the clustered points follow when requested.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,13 +257,13 @@ class GeoNearServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CountWithin(self, request, context):
-        """How many dataset points (optionally only those matching `where`) lie within
-        radius_m of each query point, or of each point of a second stored dataset, without
-        sending the points: one Arrow stream of two columns, query_index (int64, from 0) or
-        left_id (the left dataset's ids, in its row order), then count (int64). Counts are
-        exact (the same points Radius returns), counted and sent a slice of queries at a
-        time. Answers with more rows than max_result_rows are refused with
-        RESOURCE_EXHAUSTED before any counting. The schema metadata carries
+        """How many dataset points (optionally only those matching `where` and inside
+        `within`) lie within radius_m of each query point, or of each point of a second
+        stored dataset, without sending the points: one Arrow stream of two columns,
+        query_index (int64, from 0) or left_id (the left dataset's ids, in its row order),
+        then count (int64). Counts are exact (the same points Radius returns), counted and
+        sent a slice of queries at a time. Answers with more rows than max_result_rows are
+        refused with RESOURCE_EXHAUSTED before any counting. The schema metadata carries
         geonear.dataset, geonear.version and geonear.earth_radius_m, and with a left
         dataset geonear.left_dataset and geonear.left_version.
         """
@@ -268,27 +272,28 @@ class GeoNearServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KnnJoin(self, request, context):
-        """The k nearest points of the right dataset (optionally only those matching `where`)
-        to every point of the left dataset, both stored: the left points are the queries,
-        and nothing but the answer crosses the wire. One Arrow stream in the request's
-        layout: by default one row per pair, in left row order and nearest first, with
-        columns left_id, rank (int32, 0 = nearest), right_id, distance_m (float64), then
-        the requested left and right columns. Searched and sent a slice of left points at
-        a time, like Knn; left rows x min(k, selected right rows) above max_result_rows is
-        refused with RESOURCE_EXHAUSTED before the search. The schema metadata carries
-        geonear.left_dataset, geonear.left_version, geonear.right_dataset,
-        geonear.right_version, geonear.earth_radius_m and geonear.layout.
+        """The k nearest points of the right dataset (optionally only those matching `where`
+        and inside `within`) to every point of the left dataset, both stored: the left
+        points are the queries, and nothing but the answer crosses the wire. One Arrow
+        stream in the request's layout: by default one row per pair, in left row order and
+        nearest first, with columns left_id, rank (int32, 0 = nearest), right_id,
+        distance_m (float64), then the requested left and right columns. Searched and sent
+        a slice of left points at a time, like Knn; left rows x min(k, selected right rows)
+        above max_result_rows is refused with RESOURCE_EXHAUSTED before the search. The
+        schema metadata carries geonear.left_dataset, geonear.left_version,
+        geonear.right_dataset, geonear.right_version, geonear.earth_radius_m and
+        geonear.layout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RadiusJoin(self, request, context):
-        """Every point of the right dataset (optionally only those matching `where`) within
-        radius_m of each point of the left dataset, nearest first per left point; the same
-        columns, layouts and metadata as KnnJoin. Pairs are counted first, and a join of
-        more than max_result_rows pairs is refused before any is gathered; the answer is
-        gathered and sent a slice of left points at a time.
+        """Every point of the right dataset (optionally only those matching `where` and inside
+        `within`) within radius_m of each point of the left dataset, nearest first per left
+        point; the same columns, layouts and metadata as KnnJoin. Pairs are counted first,
+        and a join of more than max_result_rows pairs is refused before any is gathered;
+        the answer is gathered and sent a slice of left points at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,15 +301,15 @@ class GeoNearServicer:
 
     def Dbscan(self, request, context):
         """DBSCAN density clusters of a dataset's points (optionally only those matching
-        `where`) by exact great-circle distance: a point with at least min_samples points
-        (itself included) within eps_m is core, core points within eps_m of one another
-        share a cluster, a border point joins the cluster of its smallest-row core
-        neighbour, and the rest is noise. Clusters are numbered 0, 1, ... in the order of
-        their first row. The first message is the summary; with return_labels, label
-        batches follow (id, cluster int64, -1 for noise; the selected points only, in row
-        order). Labels of more than max_result_rows points are refused with
-        RESOURCE_EXHAUSTED before the clustering, as is an eps_m whose neighbourhoods hold
-        more than max_dbscan_pairs (point, neighbour) pairs, before any is listed. A
+        `where` and inside `within`) by exact great-circle distance: a point with at least
+        min_samples points (itself included) within eps_m is core, core points within eps_m
+        of one another share a cluster, a border point joins the cluster of its
+        smallest-row core neighbour, and the rest is noise. Clusters are numbered 0, 1, ...
+        in the order of their first row. The first message is the summary; with
+        return_labels, label batches follow (id, cluster int64, -1 for noise; the selected
+        points only, in row order). Labels of more than max_result_rows points are refused
+        with RESOURCE_EXHAUSTED before the clustering, as is an eps_m whose neighbourhoods
+        hold more than max_dbscan_pairs (point, neighbour) pairs, before any is listed. A
         cancelled call or a passed deadline stops the clustering between slices of work.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
