@@ -3,8 +3,10 @@
 Filtered Knn and Radius on every engine match the float64 reference run on exactly the
 points the filter selects (DESIGN.md's exactness rule), for filters keeping none, one,
 1% and all of the points, on uniform, clustered and edge data (poles, antimeridian,
-duplicates). Values are typed against their columns; a bad filter is INVALID_ARGUMENT
-naming what is wrong. Filtered indexes are built once per (version, filter).
+duplicates). Filtered KMeans on every engine is KMeans of a dataset uploaded with only
+the selected points (same seed: same centroids, inertia and labels). Values are typed
+against their columns; a bad filter is INVALID_ARGUMENT naming what is wrong. Filtered
+indexes are built once per (version, filter).
 """
 
 from __future__ import annotations
@@ -142,6 +144,24 @@ def test_filtered_knn_with_max_distance_and_per_query_layout(served: Client) -> 
     assert isinstance(found, pa.Table)
     ids = pc.fill_null(found.column("id").combine_chunks().flatten(), -1).to_numpy()
     np.testing.assert_array_equal(ids.reshape(-1, 5), want.indices)
+
+
+@pytest.mark.parametrize("kept", ["one_percent", "or_of_ands", "all"])
+def test_filtered_kmeans_is_kmeans_of_a_dataset_of_the_selected_points(
+    served: Client, kept: str
+) -> None:
+    where, selects = FILTERS[kept]
+    t = TABLES["clustered"]
+    mask = selects(t)
+    served.upload(f"kmeans_{kept}", t.filter(pa.array(mask)), mode="replace")
+    options: dict[str, Any] = {"seed": 7, "n_init": 2, "return_labels": True}
+    got = served.kmeans("clustered", 3, where=where, **options)
+    want = served.kmeans(f"kmeans_{kept}", 3, **options)
+    pd.testing.assert_frame_equal(got.centroids, want.centroids)
+    assert got.inertia_m2 == want.inertia_m2 and got.n_iter == want.n_iter
+    assert got.labels is not None and want.labels is not None
+    pd.testing.assert_frame_equal(got.labels, want.labels)
+    np.testing.assert_array_equal(got.labels["id"], np.flatnonzero(mask))
 
 
 # -- what the filter selects -----------------------------------------------------------------
@@ -401,6 +421,34 @@ def test_distance_matrix_columns_are_the_selected_points(loaded: Client) -> None
         loaded.distance_matrix([1.0], [2.0], name="pts", ids=[1, 2], where=where)
 
 
+def test_filtered_kmeans_weighs_the_selected_points_by_their_own_weights(loaded: Client) -> None:
+    where, selects = FILTERS["or_of_ands"]
+    loaded.upload("selected", T.filter(pa.array(selects(T))))
+    options: dict[str, Any] = {"seed": 2, "n_init": 3, "weights": "score", "return_labels": True}
+    got = loaded.kmeans("pts", 5, where=where, **options)
+    want = loaded.kmeans("selected", 5, **options)
+    pd.testing.assert_frame_equal(got.centroids, want.centroids)
+    assert got.inertia_m2 == want.inertia_m2
+    assert got.labels is not None and want.labels is not None
+    pd.testing.assert_frame_equal(got.labels, want.labels)
+    unweighted = loaded.kmeans("pts", 5, where=where, seed=2, n_init=3)
+    assert unweighted.inertia_m2 != got.inertia_m2
+
+
+def test_filtered_kmeans_refuses_k_beyond_the_selected_points(loaded: Client) -> None:
+    with pytest.raises(InvalidArgument, match="1 points selected"):
+        loaded.kmeans("pts", 2, where=FILTERS["one"][0])
+    with pytest.raises(InvalidArgument, match="0 points selected"):
+        loaded.kmeans("pts", 1, where=FILTERS["none"][0])
+    with pytest.raises(InvalidArgument, match="where: dataset 'pts' has no column 'nope'"):
+        loaded.kmeans("pts", 1, where=[("nope", "==", 1)])
+    one = loaded.kmeans("pts", 1, where=FILTERS["one"][0], return_labels=True)
+    assert one.labels is not None and one.labels["id"].tolist() == [17]
+    np.testing.assert_allclose(
+        one.centroids[["lat", "lon"]].to_numpy(), [[_numpy(T, "lat")[17], _numpy(T, "lon")[17]]]
+    )
+
+
 # -- the client's side ------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "where",
@@ -572,3 +620,19 @@ def test_knn_and_radius_commands_take_where(
     assert len(err.strip().splitlines()) == 1
     assert main(["knn", "pts", "--lat", "1", "--lon", "2", "--where", "kind"]) == 2
     assert "COLUMN OP VALUE" in capsys.readouterr().err
+
+
+def test_kmeans_command_takes_where(loaded: Client, server: Any, tmp_path: Any) -> None:
+    out = tmp_path / "labels.csv"
+    code = main(
+        ["kmeans", "pts", "-k", "4", "--seed", "3", "--target", server.target,
+         "--where", "kind == 'a'", "--or-where", "bucket == 99", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    labels = pd.read_csv(out)
+    kind = _numpy(T, "kind")
+    np.testing.assert_array_equal(labels["id"], np.flatnonzero((kind == "a") | (BUCKET == 99)))
+    where = [[("kind", "==", "a")], [("bucket", "==", 99)]]
+    expected = loaded.kmeans("pts", 4, seed=3, where=where, return_labels=True)
+    assert expected.labels is not None
+    np.testing.assert_array_equal(labels["cluster"], expected.labels["cluster"])
