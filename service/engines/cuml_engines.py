@@ -171,7 +171,8 @@ class _CumlKMeans(ArrayKMeans):
             init=centroids,
             n_init=1,
             max_iter=max_iter,
-            tol=tol,
+            # cuML refuses tol <= 0; the smallest positive tol stops only at max_iter too.
+            tol=tol if tol > 0 else float(np.finfo(np.float64).tiny),
             output_type="cupy",
         )
         model.fit(self.xyz, sample_weight=self.weights)
