@@ -335,6 +335,22 @@ def test_distance_matrix_columns_are_the_points_inside(loaded: Client) -> None:
         loaded.distance_matrix([1.0], [2.0], lat2=[3.0], lon2=[4.0], within=AREAS["box_to_pole"])
 
 
+def test_compact_and_streamed_answers_agree_within_an_area(loaded: Client) -> None:
+    area = AREAS["polygon_across_180"]
+    q_lat, q_lon = [0.0, 10.0], [179.0, -175.0]
+    # Without columns these go as KnnCompact and RadiusCompact; with them, streamed.
+    compact = loaded.knn("pts", q_lat, q_lon, k=4, within=area, where=HALF)
+    streamed = loaded.knn("pts", q_lat, q_lon, k=4, within=area, where=HALF, columns="kind")
+    assert compact["id"].tolist() == streamed["id"].tolist() and len(compact) == 8
+    compact_r = loaded.radius("pts", q_lat, q_lon, radius_m=1_500_000.0, within=area)
+    streamed_r = loaded.radius(
+        "pts", q_lat, q_lon, radius_m=1_500_000.0, within=area, columns="kind"
+    )
+    assert compact_r["id"].tolist() == streamed_r["id"].tolist() and len(compact_r) > 0
+    inside_ids = set(np.flatnonzero(inside("polygon_across_180", "uniform")).tolist())
+    assert set(compact["id"]) <= inside_ids and set(compact_r["id"]) <= inside_ids
+
+
 def test_every_form_of_an_area_gives_the_same_answer(loaded: Client) -> None:
     shapely = pytest.importorskip("shapely")
     polygon = AREAS["polygon_around_pole"]
