@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from geonear.clients import bench
+from geonear.clients import bench, bench_report
 from geonear.clients.bench import BenchConfig, run_benchmark
-from geonear.service.engines import ENGINES, EngineSpec
+from geonear.service.engines import ENGINES, EngineSpec, gpu_available
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
 
@@ -295,3 +295,240 @@ def test_a_100_column_terminal_gets_a_table_that_fits_with_the_details_below() -
     wide = io.StringIO()
     bench_report.print_table(doc, Console(file=wide, width=200, color_system=None))
     assert "warm med s" in wide.getvalue() and "warm med s" not in out.getvalue()
+
+
+# -- the analytics ops: each engine through a server of its own, peers beside ----------
+
+ANALYTICS_ROWS = {
+    "knn-join": ["cpu", "sklearn-balltree", "geopandas-sjoin"],
+    "count-within": ["cpu", "sklearn-balltree"],
+    "filtered-knn": ["cpu", "cpu where 10%", "cpu where 1%"],
+    "dbscan": ["cpu", "sklearn-dbscan", "cuml-dbscan"],
+    "within": ["cpu"],
+}
+ANALYTICS_SIZES = {"knn-join": 500, "count-within": 500, "filtered-knn": 500, "dbscan": 500}
+
+
+def _analytics(op: str, **values: Any) -> dict[str, Any]:
+    values = {"n": ANALYTICS_SIZES.get(op, 3000), "repeat": 1, "engines": ("cpu",), **values}
+    if op == "filtered-knn":
+        values.setdefault("queries", 300)
+    return run_benchmark(BenchConfig.for_op(op, **values))
+
+
+@pytest.mark.parametrize("op", list(ANALYTICS_ROWS))
+def test_analytics_ops_serve_the_cpu_engine_exactly_beside_their_peers(op: str) -> None:
+    doc = _analytics(op)
+    rows = _rows(doc)
+    assert list(rows) == ANALYTICS_ROWS[op]
+    engine_rows = [name for name in rows if name.startswith("cpu")]
+    for name in engine_rows:
+        row = rows[name]
+        assert row["status"] == "ok", row["reason"]
+        assert row["exact"] is True, row["exactness"]
+        assert row["device"].startswith("cpu")
+        assert row["cold_s"] > 0 and row["warm_min_s"] <= row["warm_median_s"]
+        assert row["throughput"] > 0 and row["repeats"] == 1
+    assert rows["cpu"]["build_s"] > 0  # the upload of the searched dataset
+    assert rows["cpu"]["speedup_vs_cpu"] == pytest.approx(1.0)
+    n, exactness, data = doc["data"]["n_points"], rows["cpu"]["exactness"], doc["data"]
+    if op == "knn-join":
+        assert exactness["queries_checked"] == n and exactness["result_rows"] == n * 5
+        assert rows["sklearn-balltree"]["exact"] is True
+        assert rows["cpu"]["speedup_vs_sklearn"] > 0
+        sjoin = rows["geopandas-sjoin"]
+        assert sjoin["status"] == "ok" and sjoin["exact"] is None
+        assert any("not exact, planar" in note for note in sjoin["notes"])
+        assert 0.5 < sjoin["exactness"]["planar_nearest_is_nearest"] < 1.0
+    if op == "count-within":
+        assert 5 < exactness["mean_count"] < 15  # the radius is meant to give about 10
+        assert exactness["wrong_counts"] == 0 and exactness["queries_checked"] == n
+        assert rows["sklearn-balltree"]["exact"] is True
+        assert data["radius_m"] > 0 and f"{data['radius_m']:,.0f} m" in bench_report.title(doc)
+    if op == "filtered-knn":
+        ten, one = rows["cpu where 10%"]["exactness"], rows["cpu where 1%"]["exactness"]
+        assert 0.05 < ten["selected_share"] < 0.15 and 0 < one["selected_share"] < 0.03
+        for filtered in (ten, one):
+            assert filtered["recall"] == 1.0 and filtered["selected_build_s"] > 0
+            assert (
+                filtered["bound_ratio"] > 0 and filtered["bound_s"] > filtered["selected_build_s"]
+            )
+        assert rows["cpu where 1%"]["speedup_vs_cpu"] == pytest.approx(1.0)  # against itself
+    if op == "dbscan":
+        assert data["description"].startswith("clustered")  # dbscan's own default
+        assert 18 < data["mean_neighbours"] < 22 and data["eps_m"] > 0
+        check = exactness["check"]
+        assert check["points_checked"] == n and check["label_agreement"] == 1.0
+        assert check["noise_differs"] == 0 and check["n_clusters"] >= 1
+        assert rows["sklearn-dbscan"]["status"] == "ok" and rows["sklearn-dbscan"]["exact"] is None
+        assert rows["cpu"]["speedup_vs_sklearn"] > 0
+        if rows["cuml-dbscan"]["status"] == "skipped":
+            assert "GPU" in rows["cuml-dbscan"]["reason"] or "cuML" in rows["cuml-dbscan"]["reason"]
+    if op == "within":
+        assert exactness["points_checked"] == n and exactness["in_row_order"]
+        assert exactness["wrong_points"] == 0 and exactness["n_inside"] > 5
+        assert exactness["n_inside"] == exactness["reference_inside"]
+
+
+@pytest.mark.parametrize(
+    "op, peer", [("knn-join", "sklearn-balltree"), ("dbscan", "sklearn-dbscan")]
+)
+def test_slow_peers_run_on_a_subset_and_are_scaled(op: str, peer: str) -> None:
+    doc = _analytics(op, n=900, peer_points=300)
+    rows = _rows(doc)
+    assert rows[peer]["status"] == "ok"
+    assert rows[peer]["queries_run"] == 300 and rows[peer]["scale"] == pytest.approx(3.0)
+    assert any("times scaled x3" in note for note in rows[peer]["notes"])
+    assert "--peer-points 300" in doc["command"]
+    if op == "knn-join":
+        assert rows[peer]["exact"] is True
+        assert rows[peer]["exactness"]["queries_checked"] == 300
+    else:  # the cpu engine answered the same 300 points (where) at the subset's eps
+        check = rows["cpu"]["exactness"]["check"]
+        assert check["points_checked"] == 300 and rows["cpu"]["exact"] is True
+        assert doc["data"]["subset_eps_m"] > doc["data"]["eps_m"]  # sparser points, wider eps
+
+
+def test_analytics_ops_default_to_their_targets_sizes_and_the_two_backends() -> None:
+    assert BenchConfig.for_op("knn") == BenchConfig()
+    assert BenchConfig.for_op("knn-join").k == 5
+    filtered = BenchConfig.for_op("filtered-knn")
+    assert (filtered.n, filtered.queries, filtered.k) == (1_000_000, 100_000, 10)
+    assert filtered.engines == ("cpu", "gpu")
+    assert BenchConfig.for_op("dbscan").data == "clustered"
+    assert BenchConfig.for_op("dbscan", data="uniform").data == "uniform"
+    assert BenchConfig.for_op("within").n in (1_000_000, 10_000_000)
+    assert BenchConfig.for_op("count-within", radius_m=None).radius_m is None
+    assert BenchConfig(op="radius").radius_m == 20_000.0
+
+
+@pytest.mark.parametrize("op", list(ANALYTICS_ROWS))
+def test_an_analytics_command_line_parses_back_to_its_config(op: str) -> None:
+    config = BenchConfig.for_op(op, n=1234, engines=("cpu",), seed=2, peer_points=99)
+    command = config.command()
+    assert command.startswith(f"geonear bench --op {op} ")
+    assert bench.config_from_args(_parse(command.removeprefix("geonear bench "))) == config
+
+
+def test_an_unknown_engine_of_an_analytics_op_fails_with_the_valid_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown engine\(s\) sklearn-balltree.*cpu"):
+        run_benchmark(BenchConfig.for_op("within", n=100, engines=("sklearn-balltree",)))
+
+
+def test_geonear_bench_runs_an_analytics_op_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from geonear.clients.cli import main
+
+    out = tmp_path / "within.json"
+    argv = ["bench", "--op", "within", "--n", "2000", "--engines", "cpu,gpu", "--repeat", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "geonear-bench/1" and doc["throughput_unit"] == "points/s"
+    assert [r["engine"] for r in doc["results"]] == ["cpu", "gpu"]
+    assert doc["results"][0]["exact"] is True
+    if doc["results"][1]["status"] == "skipped":  # a host without a GPU says why, in one line
+        assert doc["results"][1]["reason"].startswith("needs a GPU")
+    printed = capsys.readouterr().out
+    assert "within · uniform, seed 0 · 2,000 points" in printed
+    assert "points within 1e-8 rad of an edge" in printed  # the op's notes under the table
+
+
+# -- the analytics checks catch wrong answers ------------------------------------------
+
+
+def _join_rows(answer: Neighbours) -> tuple[np.ndarray, ...]:
+    n, k = answer.indices.shape
+    return (
+        np.repeat(np.arange(n), k),
+        np.tile(np.arange(k), n),
+        answer.indices.ravel(),
+        answer.distances_m.ravel(),
+    )
+
+
+def test_the_join_check_catches_wrong_missing_and_misplaced_rows() -> None:
+    from geonear.clients.bench_exactness import knn_exactness, neighbours_from_rows
+    from geonear.loaders.synthetic import uniform_points
+
+    lat, lon = uniform_points(400, seed=1)
+    q_lat, q_lon = uniform_points(50, seed=2)
+    data = bench.BenchData(lat, lon, q_lat, q_lon, "test")
+    reference = CPUEngine().build_index(lat, lon).knn(q_lat, q_lon, 4)
+    left, rank, right, distance = _join_rows(reference)
+
+    def check(*rows: np.ndarray) -> bool:
+        return knn_exactness(neighbours_from_rows(*rows, (50, 4)), reference, data=data)[1]
+
+    assert check(left, rank, right, distance)
+    shuffled = np.random.default_rng(0).permutation(left.size)  # row order is free
+    assert check(left[shuffled], rank[shuffled], right[shuffled], distance[shuffled])
+    assert not check(left, rank, (right + 1) % 400, distance)
+    assert not check(left[1:], rank[1:], right[1:], distance[1:])
+    assert not check((left + 1) % 50, rank, right, distance)
+
+
+def test_the_count_check_allows_the_boundary_millimetre_only() -> None:
+    from geonear.clients.bench_exactness import count_exactness
+
+    low, high = np.array([3, 5, 0]), np.array([3, 6, 0])
+    assert count_exactness(np.array([3, 6, 0]), low, high, 3)[1] is True
+    metrics, exact = count_exactness(np.array([3, 7, 0]), low, high, 3)
+    assert not exact and metrics["wrong_counts"] == 1
+    assert count_exactness(np.array([3, 5]), low, high, 3)[1] is False  # a point unanswered
+
+
+def test_the_within_reference_matches_the_polygon_and_catches_wrong_points() -> None:
+    from geonear.clients.bench_analytics import WITHIN_POLYGON
+    from geonear.clients.bench_exactness import within_exactness
+    from geonear.loaders.synthetic import uniform_points
+
+    lat, lon = uniform_points(20_000, seed=3)
+    data = bench.BenchData(lat, lon, lat[:0], lon[:0], "test")
+    inside = np.flatnonzero(WITHIN_POLYGON.inside(lat, lon))
+    assert 50 < inside.size < 300  # about 0.7% of the sphere
+    # Near the centre is in (the centre itself is a vertex of every triangle: on edges),
+    # near an outer tip too, between two tips beyond the inner radius not, the far side not.
+    ring = np.array(WITHIN_POLYGON.geojson()["coordinates"][0])
+    assert ring.shape == (65, 2) and (ring[0] == ring[-1]).all()
+    tip_lon, tip_lat = ring[0]  # bearing 0: due north of the centre, 12 degrees away
+    probe_lat = np.array([30.3, tip_lat - 0.5, 30.0 + 10.0 * np.cos(np.radians(360 / 64)), -30.0])
+    probe_lon = np.array([15.2, tip_lon + 0.05, 15.0 + 1.2, -165.0])
+    assert WITHIN_POLYGON.inside(probe_lat, probe_lon).tolist() == [True, True, False, False]
+    assert within_exactness(inside, WITHIN_POLYGON, data, 20_000)[1] is True
+    outside = np.setdiff1d(np.arange(20_000), inside)[0]
+    for wrong in (inside[1:], np.sort(np.r_[inside, outside]), inside[::-1], np.r_[inside, inside]):
+        assert within_exactness(wrong, WITHIN_POLYGON, data, 20_000)[1] is False
+
+
+def test_the_dbscan_check_takes_relabelled_clusters_and_catches_merged_ones() -> None:
+    from geonear.clients.bench_exactness import dbscan_exactness, label_agreement
+
+    reference = np.array([0, 0, 0, 1, 1, 1, -1, 2, 2])
+    core = np.array([True, True, False, True, True, False, False, True, True])
+    relabelled = np.array([2, 2, 2, 0, 0, 0, -1, 1, 1])
+    assert dbscan_exactness(relabelled, reference, core)[1] is True
+    assert label_agreement(relabelled, reference) == 1.0
+    border_elsewhere = np.array([2, 2, 0, 0, 0, 0, -1, 1, 1])  # a border point, other cluster
+    assert dbscan_exactness(border_elsewhere, reference, core)[1] is True
+    merged = np.array([0, 0, 0, 0, 0, 0, -1, 1, 1])
+    metrics, exact = dbscan_exactness(merged, reference, core)
+    assert not exact and metrics["core_groups_differ"] == 1
+    assert label_agreement(merged, reference) == pytest.approx(6 / 9)
+    noise_taken = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    assert dbscan_exactness(noise_taken, reference, core)[1] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available()[0], reason=f"no usable GPU: {gpu_available()[1]}")
+@pytest.mark.parametrize("op", list(ANALYTICS_ROWS))
+def test_analytics_ops_serve_the_gpu_engine_exactly(op: str) -> None:
+    doc = _analytics(op, n=3000, engines=("cpu", "gpu"))
+    rows = _rows(doc)
+    for name, row in rows.items():
+        if name.startswith("gpu"):
+            assert row["status"] == "ok", row["reason"]
+            assert row["exact"] is True, row["exactness"]
+            assert row["device"].startswith("gpu")
+    if op == "dbscan" and rows["cuml-dbscan"]["status"] == "ok":
+        assert rows["cuml-dbscan"]["exactness"]["label_agreement"] > 0.9
