@@ -150,7 +150,7 @@ if "knn" in sections:
             c = tree.knn(qlat, qlon, 10)
             cpu_s = time.perf_counter() - t0
             # cKDTree alone (no exact re-rank), same workers=-1
-            from geonear.service.geometry import unit_vectors
+            from geonear.geometry import unit_vectors
 
             qx = unit_vectors(qlat, qlon)
             ckd_all = []
@@ -281,7 +281,7 @@ if "matrix" in sections:
         )
         del m
     from geonear.service.engines.gpu import _matrix_device
-    from geonear.service.geometry import great_circle_m, unit_vectors
+    from geonear.geometry import great_circle_m, unit_vectors
 
     ref = great_circle_m(a[0][:300, None], a[1][:300, None], b[0][None, :20000], b[1][None, :20000])
     for dt in ("float32", "float64"):

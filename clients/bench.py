@@ -44,7 +44,7 @@ from geonear.service.engines import (
     gpu_available,
 )
 from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
-from geonear.service.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
+from geonear.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 
 #: Server-side analytics: each engine through a server of its own (``bench_analytics``).
 ANALYTICS_OPS = ("knn-join", "count-within", "filtered-knn", "dbscan", "within")
@@ -444,7 +444,7 @@ def compute_reference(config: BenchConfig, data: BenchData) -> Any:
             return index.knn(data.q_lat[:r], data.q_lon[:r], config.k, config.max_distance_m)
         return index.radius(data.q_lat[:r], data.q_lon[:r], config.radius_m or DEFAULT_RADIUS_M)
     if config.op == "matrix":
-        from geonear.service.geometry import great_circle_m
+        from geonear.geometry import great_circle_m
 
         return great_circle_m(
             data.q_lat[:r, None], data.q_lon[:r, None], data.lat[None, :], data.lon[None, :]

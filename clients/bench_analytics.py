@@ -80,7 +80,7 @@ from geonear.service.engines import (
     gpu_available,
     runnable_engine_names,
 )
-from geonear.service.geometry import EARTH_RADIUS_M, unit_vectors
+from geonear.geometry import EARTH_RADIUS_M, unit_vectors
 
 __all__ = ["ANALYTICS_BENCHES", "run_analytics"]
 

@@ -15,25 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from geonear.geometry import EARTH_RADIUS_M, unit_vectors, unit_vectors_to_latlon
 from geonear.loaders.writers import write_batches
 
 #: Rows drawn per chunk by the streaming generators (fixes their output for a seed).
 CHUNK_ROWS = 1 << 20
-EARTH_RADIUS_M = 6_371_008.8
 SCHEMA = pa.schema([("id", pa.int64()), ("lat", pa.float64()), ("lon", pa.float64())])
-
-
-def _to_latlon(xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Latitude and longitude in degrees of (not necessarily unit) vectors, shape (n, 3)."""
-    x, y, z = xyz[:, 0], xyz[:, 1], xyz[:, 2]
-    return np.degrees(np.arctan2(z, np.sqrt(x * x + y * y))), np.degrees(np.arctan2(y, x))
-
-
-def _to_xyz(lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
-    lat_r, lon_r = np.radians(lat), np.radians(lon)
-    return np.column_stack(
-        [np.cos(lat_r) * np.cos(lon_r), np.cos(lat_r) * np.sin(lon_r), np.sin(lat_r)]
-    )
 
 
 def _uniform(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -59,12 +46,12 @@ def clustered_points(
     """
     rng = np.random.default_rng(seed)
     c_lat, c_lon = uniform_points(n_clusters, seed=seed + 1)
-    centres = _to_xyz(c_lat, c_lon)
+    centres = unit_vectors(c_lat, c_lon)
     weights = 1.0 / np.arange(1, n_clusters + 1) ** 1.1
     member = rng.choice(n_clusters, size=n, p=weights / weights.sum())
     scale = rng.uniform(0.1, 3.0, n_clusters)[member] * spread_m / EARTH_RADIUS_M
     xyz = centres[member] + rng.normal(size=(n, 3)) * scale[:, None]
-    return _to_latlon(xyz)
+    return unit_vectors_to_latlon(xyz)
 
 
 @dataclass(frozen=True)
@@ -80,7 +67,7 @@ class _Clusters:
         rng = np.random.default_rng([seed, 1 << 32])
         weights = 1.0 / np.arange(1, n_clusters + 1) ** 1.1
         return cls(
-            _to_xyz(*_uniform(rng, n_clusters)),
+            unit_vectors(*_uniform(rng, n_clusters)),
             weights / weights.sum(),
             rng.uniform(0.1, 3.0, n_clusters) * spread_m / EARTH_RADIUS_M,
         )
@@ -88,7 +75,7 @@ class _Clusters:
     def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         member = rng.choice(self.centres.shape[0], size=n, p=self.probability)
         offsets = rng.normal(size=(n, 3)) * self.spread_rad[member][:, None]
-        return _to_latlon(self.centres[member] + offsets)
+        return unit_vectors_to_latlon(self.centres[member] + offsets)
 
 
 def generate_points(

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from geonear import __version__
+from geonear._version import __version__
 from geonear._wire import (
     BatchDecoder,
     points_from_message,

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from geonear.service.geometry import EARTH_RADIUS_M
+from geonear.geometry import EARTH_RADIUS_M
 
 
 def physical_memory_bytes() -> int:

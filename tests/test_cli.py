@@ -23,7 +23,7 @@ import pytest
 
 from geonear.clients.cli import main
 from geonear.clients.client import Client
-from geonear.service.geometry import EARTH_RADIUS_M
+from geonear.geometry import EARTH_RADIUS_M
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 #: Wide enough that rich never wraps or truncates a table cell.

@@ -16,7 +16,7 @@ from geonear.clients import client as client_module
 from geonear.clients.client import Client, KMeansOutcome
 from geonear.loaders.synthetic import uniform_points
 from geonear.service.engines import create_engine
-from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.service.settings import Limits
 
 POINTS = uniform_points(2000, seed=41)

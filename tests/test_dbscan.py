@@ -29,7 +29,7 @@ from geonear.service.analytics import (
     min_label_components,
 )
 from geonear.service.engines import create_engine, gpu_available
-from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 
 
 def sklearn_dbscan(

@@ -33,7 +33,7 @@ from geonear.service.engines import (
     engine_names,
 )
 from geonear.service.engines.base import sort_radius
-from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 REFERENCE = "numpy-brute"
 #: Distances closer than this are ties for the exactness rule, metres.

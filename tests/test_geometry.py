@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from geonear.loaders.synthetic import uniform_points
-from geonear.service.geometry import (
+from geonear.geometry import (
     EARTH_RADIUS_M,
     angle_between,
     chord_for_distance,

@@ -24,7 +24,7 @@ from geonear.service.engines import (
     gpu_available,
 )
 from geonear.service.engines.base import Neighbours
-from geonear.service.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 pytestmark = [
     pytest.mark.gpu,

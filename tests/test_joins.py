@@ -37,7 +37,7 @@ from test_engine_parity import assert_same_neighbours
 from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument, NotFound, ResourceExhausted
-from geonear.service.geometry import great_circle_m
+from geonear.geometry import great_circle_m
 from geonear.service.queries import common
 from geonear.service.server import build_server
 from geonear.service.settings import Limits, ServerSettings

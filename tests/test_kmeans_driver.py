@@ -45,7 +45,7 @@ from geonear.service.engines.spherical_kmeans import (
     spherical_kmeans,
     stopping_when,
 )
-from geonear.service.geometry import EARTH_RADIUS_M, unit_vectors, unit_vectors_to_latlon
+from geonear.geometry import EARTH_RADIUS_M, unit_vectors, unit_vectors_to_latlon
 from geonear.service.settings import Limits
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc

@@ -39,7 +39,7 @@ from geonear.loaders import (
     write_table,
 )
 from geonear.loaders.csv_files import sniff_csv
-from geonear.service.geometry import great_circle_m
+from geonear.geometry import great_circle_m
 from geonear.service.server import create_server
 from geonear.service.settings import ServerSettings
 

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from geonear.service.geometry import unit_vectors
+from geonear.geometry import unit_vectors
 
 __all__ = [
     "EDGE_TOLERANCE_RAD",

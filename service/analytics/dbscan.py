@@ -57,7 +57,7 @@ from scipy.spatial import cKDTree
 from geonear.service.engines.base import PointIndex
 from geonear.service.engines.cpu import KDTreeIndex
 from geonear.service.engines.host import HostIndex
-from geonear.service.geometry import (
+from geonear.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
     great_circle_m,

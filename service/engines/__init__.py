@@ -36,7 +36,7 @@ from geonear.service.engines.base import (
     RadiusNeighbours,
 )
 from geonear.service.errors import EngineUnavailable, Unsupported
-from geonear.service.geometry import EARTH_RADIUS_M
+from geonear.geometry import EARTH_RADIUS_M
 
 __all__ = [
     "ENGINES",

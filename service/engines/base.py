@@ -23,7 +23,7 @@ import pyarrow as pa
 
 # DeviceLost is raised by engines and defined with the service's other errors.
 from geonear.service.errors import DeviceLost as DeviceLost
-from geonear.service.geometry import EARTH_RADIUS_M
+from geonear.geometry import EARTH_RADIUS_M
 
 if TYPE_CHECKING:
     from geonear.service.engines import EngineSpec

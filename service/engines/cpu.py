@@ -23,7 +23,7 @@ from geonear.service.engines.host import (
     in_slice_thread,
     slice_threads,
 )
-from geonear.service.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
+from geonear.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
 _CHORD_SLACK = 1e-9

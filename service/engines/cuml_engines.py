@@ -32,7 +32,7 @@ from geonear.service.engines.base import (
 )
 from geonear.service.engines.host import HostEngine, HostIndex
 from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
-from geonear.service.geometry import (
+from geonear.geometry import (
     EARTH_RADIUS_M,
     angle_between,
     unit_vectors,

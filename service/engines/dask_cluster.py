@@ -50,7 +50,7 @@ from geonear.service.engines.spherical_kmeans import (
     spherical_kmeans,
 )
 from geonear.service.errors import ServiceError
-from geonear.service.geometry import (
+from geonear.geometry import (
     EARTH_RADIUS_M,
     angle_between,
     unit_vectors,

@@ -82,7 +82,7 @@ from geonear.service.engines.spherical_kmeans import (
     lloyd,
     spherical_kmeans,
 )
-from geonear.service.geometry import (
+from geonear.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
 )

@@ -22,7 +22,7 @@ from geonear.service.engines.base import (
     sort_radius,
 )
 from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
-from geonear.service.geometry import angle_between, great_circle_m, unit_vectors
+from geonear.geometry import angle_between, great_circle_m, unit_vectors
 
 #: Bound on the number of (query, point) pairs evaluated at once by brute force.
 BLOCK_PAIRS = 1 << 22

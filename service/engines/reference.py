@@ -10,7 +10,7 @@ import numpy as np
 
 from geonear.service.engines.base import Neighbours, RadiusNeighbours, sort_radius
 from geonear.service.engines.host import BLOCK_PAIRS, HostEngine, HostIndex
-from geonear.service.geometry import great_circle_m
+from geonear.geometry import great_circle_m
 
 
 class ReferenceIndex(HostIndex):

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from geonear.service.engines.base import KMeansResult
-from geonear.service.geometry import angle_between, unit_vectors_to_latlon
+from geonear.geometry import angle_between, unit_vectors_to_latlon
 
 log = logging.getLogger("geonear.kmeans")
 
