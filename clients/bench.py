@@ -36,6 +36,7 @@ import numpy as np
 
 from geonear.clients import bench_report
 from geonear.clients.bench_exactness import EXACTNESS
+from geonear.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 from geonear.service.engines import (
     Engine,
     EngineUnavailable,
@@ -44,7 +45,6 @@ from geonear.service.engines import (
     gpu_available,
 )
 from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
-from geonear.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 
 #: Server-side analytics: each engine through a server of its own (``bench_analytics``).
 ANALYTICS_OPS = ("knn-join", "count-within", "filtered-knn", "dbscan", "within")

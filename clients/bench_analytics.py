@@ -72,6 +72,7 @@ from geonear.clients.bench_exactness import (
     within_exactness,
 )
 from geonear.clients.bench_served import served_engine
+from geonear.geometry import EARTH_RADIUS_M, unit_vectors
 from geonear.service.engines import (
     EngineUnavailable,
     Neighbours,
@@ -80,7 +81,6 @@ from geonear.service.engines import (
     gpu_available,
     runnable_engine_names,
 )
-from geonear.geometry import EARTH_RADIUS_M, unit_vectors
 
 __all__ = ["ANALYTICS_BENCHES", "run_analytics"]
 
