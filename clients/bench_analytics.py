@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -143,8 +144,6 @@ def _upload_s(client: Any, name: str, table: pa.Table) -> float:
 
 def _import_peer(module: str, package: str) -> Any:
     """``module``, or EngineUnavailable naming the package to install."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as exc:
