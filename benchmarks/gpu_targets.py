@@ -280,8 +280,8 @@ if "matrix" in sections:
             gpairs_per_s=1e9 / min(ts) / 1e9,
         )
         del m
-    from geonear.service.engines.gpu import _matrix_device
     from geonear.geometry import great_circle_m, unit_vectors
+    from geonear.service.engines.gpu import _matrix_device
 
     ref = great_circle_m(a[0][:300, None], a[1][:300, None], b[0][None, :20000], b[1][None, :20000])
     for dt in ("float32", "float64"):

@@ -51,7 +51,22 @@ _PUBLIC = {
     },
 }
 
-__all__ = sorted([*_PUBLIC, "__version__"])
+__all__ = [
+    "AlreadyExists",
+    "Client",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "GeoNearError",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "Unauthenticated",
+    "Unavailable",
+    "__version__",
+    "connect",
+]
+assert sorted(__all__) == sorted([*_PUBLIC, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """Dynamic batching: concurrent KNN and radius requests share one engine call.
 
-In the manner of NVIDIA Triton's dynamic batcher. Each RPC thread puts its request in
-the queue of the dataset version it reads and waits; one dispatcher thread per batcher
+In the manner of NVIDIA Triton's dynamic batcher. Each handler puts its request in the
+queue of the dataset version it reads and awaits its answer; one dispatcher thread per batcher
 takes whatever is queued when the engine is free (up to ``max_points`` query points,
 after waiting up to ``max_delay_us`` for more when the queue is short), makes one engine
 call for the whole batch, and hands every caller its own rows.
@@ -15,10 +15,11 @@ per radius.
 A request whose deadline passes while it waits in the queue is answered
 DEADLINE_EXCEEDED and left out of the batch; the others are not disturbed.
 
-Callers on threads use ``knn``/``radius``; callers on the server's event loop use
-``knn_async``/``radius_async``, which queue the same way and await the answer without
-holding the loop, so the loop goes on reading requests while a batch runs: that is
-what fills the next batch.
+Callers are the handlers on the server's event loop (the compact RPCs, whose answers
+are small by construction): they await the answer without holding the loop, so the loop
+goes on reading requests while a batch runs, and that is what fills the next batch.
+Streamed answers are made on threads, a slice at a time, and are not batched: they are
+large enough to fill an engine call themselves.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +52,10 @@ class _Request:
     k: int = 0
     max_distance_m: float | None = None
     radius_m: float = 0.0
-    future: Future = field(default_factory=Future)
-    #: For a caller on an event loop: the loop's future that gets the answer too.
+    #: The request's place in the queue: cancelled while it waits (the caller left or
+    #: its deadline passed), or running once a batch took it.
+    state: Future = field(default_factory=Future)
+    #: The caller's future, on its event loop, that gets the answer.
     awaited: asyncio.Future | None = None
 
     def group(self) -> tuple[Any, ...]:
@@ -87,7 +89,7 @@ class Batcher:
         self._thread.start()
 
     # -- callers -------------------------------------------------------------------------
-    def knn(
+    async def knn(
         self,
         index: PointIndex,
         lat: np.ndarray,
@@ -97,10 +99,10 @@ class Batcher:
         timeout_s: float | None = None,
     ) -> Neighbours:
         request = _Request("knn", index, lat, lon, k=k, max_distance_m=max_distance_m)
-        result: Neighbours = self._submit(request, timeout_s)
+        result: Neighbours = await self._submit(request, timeout_s)
         return result
 
-    def radius(
+    async def radius(
         self,
         index: PointIndex,
         lat: np.ndarray,
@@ -109,50 +111,12 @@ class Batcher:
         timeout_s: float | None = None,
     ) -> RadiusNeighbours:
         request = _Request("radius", index, lat, lon, radius_m=radius_m)
-        result: RadiusNeighbours = self._submit(request, timeout_s)
+        result: RadiusNeighbours = await self._submit(request, timeout_s)
         return result
 
-    async def knn_async(
-        self,
-        index: PointIndex,
-        lat: np.ndarray,
-        lon: np.ndarray,
-        k: int,
-        max_distance_m: float | None,
-        timeout_s: float | None = None,
-    ) -> Neighbours:
-        request = _Request("knn", index, lat, lon, k=k, max_distance_m=max_distance_m)
-        result: Neighbours = await self._submit_async(request, timeout_s)
-        return result
-
-    async def radius_async(
-        self,
-        index: PointIndex,
-        lat: np.ndarray,
-        lon: np.ndarray,
-        radius_m: float,
-        timeout_s: float | None = None,
-    ) -> RadiusNeighbours:
-        request = _Request("radius", index, lat, lon, radius_m=radius_m)
-        result: RadiusNeighbours = await self._submit_async(request, timeout_s)
-        return result
-
-    def _submit(self, request: _Request, timeout_s: float | None) -> Any:
+    async def _submit(self, request: _Request, timeout_s: float | None) -> Any:
         if request.lat.shape[0] >= self.max_points:
-            return _run_alone(request)  # a full batch on its own: no queueing
-        self._enqueue(request)
-        try:
-            return request.future.result(timeout=timeout_s)
-        except FutureTimeout:
-            if request.future.cancel():
-                raise QueueDeadlineExceeded(
-                    "the deadline passed while the request waited for a batch"
-                ) from None
-            return request.future.result()  # it was already running: wait for it
-
-    async def _submit_async(self, request: _Request, timeout_s: float | None) -> Any:
-        if request.lat.shape[0] >= self.max_points:
-            return await asyncio.to_thread(_run_alone, request)
+            return await asyncio.to_thread(_run_alone, request)  # a full batch on its own
         loop = asyncio.get_running_loop()
         request.awaited = answer = loop.create_future()
         self._enqueue(request)
@@ -161,7 +125,7 @@ class Batcher:
         try:
             return await answer
         except asyncio.CancelledError:
-            request.future.cancel()  # the caller left: drop it from the queue if it waits
+            request.state.cancel()  # the caller left: drop it from the queue if it waits
             raise
         finally:
             if timer is not None:
@@ -211,7 +175,7 @@ class Batcher:
                 request = self._queue.popleft()
                 fits = points + request.lat.shape[0] <= self.max_points
                 if request.group() == first and fits:
-                    if request.future.set_running_or_notify_cancel():
+                    if request.state.set_running_or_notify_cancel():
                         batch.append(request)
                         points += request.lat.shape[0]
                 else:
@@ -226,7 +190,7 @@ class Batcher:
 def _expire(request: _Request) -> None:
     """A request's deadline passed: fail it if it still waits in the queue."""
     answer = request.awaited
-    if answer is not None and not answer.done() and request.future.cancel():
+    if answer is not None and not answer.done() and request.state.cancel():
         answer.set_exception(
             QueueDeadlineExceeded("the deadline passed while the request waited for a batch")
         )
@@ -244,12 +208,8 @@ def _run_batch(batch: list[_Request]) -> None:
     try:
         results = [_run_alone(batch[0])] if len(batch) == 1 else _run_together(batch)
     except BaseException as exc:  # every caller hears of the failure
-        for r in batch:
-            r.future.set_exception(exc)
         _answer_loops(batch, [exc] * len(batch))
         return
-    for r, result in zip(batch, results, strict=True):
-        r.future.set_result(result)
     _answer_loops(batch, results)
 
 

@@ -36,27 +36,23 @@ refused UNAVAILABLE before it starts.
 Health checks and reflection pass untouched: open to everyone, never refused, not
 counted.
 
-The server is a grpc.aio server, so every wrapper is a coroutine on its event loop. A
-servicer method that is a coroutine (KnnCompact, RadiusCompact) is awaited there; a
-plain method runs on the loop's thread pool with a :class:`_ThreadContext`, and a
-streaming one makes each response message there. A streamed request (Upload) is read
-on that thread from the loop, message by message; when no message comes for
-``upload_idle_timeout_s`` the call ends DEADLINE_EXCEEDED (:class:`UploadIdle`), nothing
+The server is a grpc.aio server and every handler runs on its event loop: a unary one
+is a coroutine, a streaming one an async generator; their blocking work runs on the
+loop's thread pool (:mod:`geonear.service.calls`). A streamed request (Upload,
+KnnStream, RadiusStream) is read on the loop; when no message comes for
+``upload_idle_timeout_s`` the call ends DEADLINE_EXCEEDED (``UploadIdle``), nothing
 stored, and its slot is free again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import inspect
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -137,130 +133,6 @@ def _dataset_of(request: Any) -> str:
     return f"{left}>{right}" if left and right else right or left
 
 
-class _Abort(Exception):
-    """Raised by the contexts' ``abort``; the interceptor then answers the call with its status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)
-        self.code = code
-        self.details = details
-
-
-class _ThreadContext:
-    """The context of a synchronous handler, which runs on a server thread.
-
-    The grpc.aio context belongs to the event loop; this one answers from the thread
-    what the servicer asks: ``abort`` (raises, and the loop answers the call),
-    ``time_remaining``, ``is_active`` (False once the client left or the deadline
-    passed), ``peer`` and ``invocation_metadata``.
-    """
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        left = context.time_remaining()
-        self._deadline = None if left is None else time.monotonic() + left
-        self._peer = context.peer()
-        self._metadata = context.invocation_metadata()
-        #: Set when the call ended under the handler (cancelled or past its deadline).
-        self.over = threading.Event()
-        #: Sent with the call's status once the handler has returned.
-        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
-
-    def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise _Abort(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else self._deadline - time.monotonic()
-
-    def is_active(self) -> bool:
-        return not self.over.is_set()
-
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.trailing_metadata = metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    def invocation_metadata(self) -> Any:
-        return self._metadata
-
-
-class _LoopContext:
-    """The grpc.aio context of a handler that runs on the event loop, but for ``abort``,
-    which raises like ``_ThreadContext.abort``: the interceptor counts the call before
-    its status goes out (grpc.aio's own ``abort`` sends it at once)."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._context = context
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise _Abort(code, details)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-
-async def _in_thread(context: _ThreadContext, function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` on the loop's thread pool.
-
-    When the call is cancelled meanwhile, the handler is told (``is_active`` turns
-    False) and the call waits for the thread to let go, so that it keeps its admission
-    slot while its work runs.
-    """
-    running = asyncio.get_running_loop().run_in_executor(None, function, *args)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        context.over.set()
-        # Not BaseException: a GeneratorExit (the loop closing this coroutine at
-        # shutdown) must end it, not be swallowed here.
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await running
-        raise
-
-
-def _blocking_iterator(
-    messages: AsyncIterator[Any], loop: asyncio.AbstractEventLoop, idle_timeout_s: float
-) -> Iterator[Any]:
-    """The request stream of a call, read from a server thread.
-
-    Raises ``Cancelled`` when the server's loop stops before the next message comes, and
-    ``UploadIdle`` when none comes within ``idle_timeout_s`` of being asked for (time
-    the handler spends on a message does not count against the client).
-    """
-
-    async def read() -> Any:
-        return await anext(messages)
-
-    while True:
-        try:
-            pending = asyncio.run_coroutine_threadsafe(read(), loop)
-            idle_at = time.monotonic() + idle_timeout_s
-            while True:
-                try:
-                    message = pending.result(
-                        timeout=min(_POLL_S, max(0.0, idle_at - time.monotonic()))
-                    )
-                    break
-                except concurrent.futures.TimeoutError:
-                    if not loop.is_running():
-                        raise Cancelled("the server stopped during the upload") from None
-                    if time.monotonic() >= idle_at:
-                        pending.cancel()  # the read waiting on the loop
-                        raise UploadIdle(idle_timeout_s) from None
-        except StopAsyncIteration:
-            return
-        except RuntimeError as exc:  # the loop is closed
-            raise Cancelled("the server stopped during the upload") from exc
-        yield message
-
-
-#: How often a thread waiting for the next request message checks that the loop runs.
-_POLL_S = 1.0
-
-
-_END = object()
-
-
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every GeoNear method handler once; see the module docstring."""
 
@@ -318,9 +190,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         def deserialize(data: bytes) -> Any:
             if len(data) > limit:
                 return _Unreadable(
-                    LimitExceeded(
-                        self._too_large(len(data)), setting="GEONEAR_MAX_MESSAGE_BYTES"
-                    )
+                    LimitExceeded(self._too_large(len(data)), setting="GEONEAR_MAX_MESSAGE_BYTES")
                 )
             if parse is None:
                 return data
@@ -378,10 +248,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         denial: Denial | None,
         streaming: bool,
     ) -> tuple[_Call, Any]:
-        """Checks before the call; returns its record and the request (iterator) to pass on.
-
-        A streamed request comes back as an iterator to read from a server thread.
-        """
+        """Checks before the call; returns its record and the request (iterator) to pass on."""
         call = _Call("" if streaming else _dataset_of(request), upload=rpc == "Upload")
         refusal = self._refusal(call, request, denial, streaming)
         if refusal is not None:
@@ -389,13 +256,23 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             self._finish(call, rpc, context, code)
             await context.abort(code, message, trailers)
         if streaming:
-            loop = asyncio.get_running_loop()
-            requests = _blocking_iterator(request, loop, self.upload_idle_timeout_s)
-            return call, self._checked_stream(requests, call)
+            return call, self._checked_stream(request, call)
         return call, request
 
-    def _checked_stream(self, requests: Iterator[Any], call: _Call) -> Iterator[Any]:
-        for message in requests:
+    async def _checked_stream(
+        self, requests: AsyncIterator[Any], call: _Call
+    ) -> AsyncIterator[Any]:
+        """The request messages of a streamed call. The call ends DEADLINE_EXCEEDED
+        (``UploadIdle``) when no message comes within ``upload_idle_timeout_s`` of being
+        asked for: time the handler spends on a message does not count against the
+        client."""
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(requests), self.upload_idle_timeout_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise UploadIdle(self.upload_idle_timeout_s) from None
             if type(message) is _Unreadable:
                 raise message.error
             if not call.dataset:
@@ -413,25 +290,17 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     def _unary(
         self, rpc: str, inner: grpc.RpcMethodHandler, denial: Denial | None, streaming: bool
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        """The wrapper of a unary handler: on the loop, or on a thread when synchronous."""
+        """The wrapper of a unary-response handler (a coroutine)."""
         behaviour = inner.stream_unary if streaming else inner.unary_unary
-        assert behaviour is not None
-        on_loop = inspect.iscoroutinefunction(behaviour)
+        assert behaviour is not None and inspect.iscoroutinefunction(behaviour), rpc
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call, request = await self._admit(rpc, request, context, denial, streaming)
             code = None
             try:
-                if on_loop:
-                    response = await behaviour(request, _LoopContext(context))
-                else:
-                    response = await _in_thread(
-                        (local := _ThreadContext(context)), behaviour, request, local
-                    )
+                response = await behaviour(request, context)
                 call.rows = _rows(response)
                 return response
-            except _Abort as exc:
-                await self._aborted(call, rpc, context, exc.code, exc.details)
             except asyncio.CancelledError:
                 code = _gone(context)
                 raise
@@ -452,30 +321,22 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     def _streaming(
         self, rpc: str, inner: grpc.RpcMethodHandler, denial: Denial | None, streaming: bool
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        """The wrapper of a synchronous streaming handler: each message made on a thread."""
+        """The wrapper of a streaming-response handler (an async generator)."""
         behaviour = inner.stream_stream if streaming else inner.unary_stream
-        assert behaviour is not None and not inspect.isasyncgenfunction(behaviour)
+        assert behaviour is not None and inspect.isasyncgenfunction(behaviour), rpc
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call, request = await self._admit(rpc, request, context, denial, streaming)
-            local = _ThreadContext(context)
-            responses = behaviour(request, local)
             code = None
+            responses = behaviour(request, context)
             try:
-                while (response := await _in_thread(local, next, responses, _END)) is not _END:
+                async for response in responses:
                     call.rows += _rows(response)
                     yield response
-                if local.trailing_metadata:
-                    context.set_trailing_metadata(local.trailing_metadata)
-            except _Abort as exc:
-                await self._aborted(call, rpc, context, exc.code, exc.details)
             except (asyncio.CancelledError, GeneratorExit):
                 # gRPC stopped reading: the client went away or its deadline passed.
                 code = _gone(context)
-                local.over.set()
-                # Stopped early, the generator still holds its work: end it on a thread.
-                # One that returned or raised is closed already.
-                await asyncio.get_running_loop().run_in_executor(None, responses.close)
+                await responses.aclose()  # its work ends (and its threads let go) first
                 raise
             except grpc.aio.AbortError:
                 code = _code(context) or grpc.StatusCode.UNKNOWN
@@ -514,18 +375,6 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         code, message, trailers = _status(error, context)
         self._end(call, rpc, context, code)
         await context.abort(code, message, trailers)
-
-    async def _aborted(
-        self,
-        call: _Call,
-        rpc: str,
-        context: grpc.aio.ServicerContext,
-        code: grpc.StatusCode,
-        details: str,
-    ) -> None:
-        """End a call its handler aborted with ``code``, then answer it so."""
-        self._end(call, rpc, context, code)
-        await context.abort(code, status_message(details))
 
     def _finish(
         self,

@@ -8,8 +8,9 @@ the store. Errors propagate: the interceptor is the one seam that maps them to s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,10 +26,10 @@ from geonear._wire import (
 )
 from geonear.service.analytics.areas import Area
 from geonear.service.batching import Batcher
+from geonear.service.calls import CallScope, RequestFeed, in_thread, produced
 from geonear.service.engines import Engine, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
-from geonear.service.pipeline import prefetched
 from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows
@@ -50,12 +51,12 @@ from geonear.service.queries.joins import (
     radius_join,
     radius_join_slices,
 )
-from geonear.service.queries.knn import knn_async, knn_query, knn_slices
+from geonear.service.queries.knn import knn, knn_query, knn_slices
 from geonear.service.queries.matrix import distance_tiles
 from geonear.service.queries.radius import (
-    radius_async,
+    INLINE_COUNT_QUERIES,
+    radius,
     radius_query,
-    radius_query_async,
     radius_slices,
 )
 from geonear.service.queries.within import (
@@ -64,7 +65,7 @@ from geonear.service.queries.within import (
     within_query,
     within_tables,
 )
-from geonear.service.settings import ServerSettings
+from geonear.service.settings import Limits, ServerSettings
 from geonear.service.store import DatasetStore, DatasetVersion
 from geonear.service.timing import TIMING_KEY, StageTimes
 from geonear.service.validation import (
@@ -110,12 +111,6 @@ assert sorted(_FILTER_OPS.values()) == sorted(OPS)
 
 #: Most result rows of a KnnCompact/RadiusCompact answer (about 1.5 MB of protobuf).
 COMPACT_MAX_ROWS = 65_536
-
-
-def _time_left_s(context: grpc.ServicerContext) -> float | None:
-    """Seconds until the call's deadline; None without one (gRPC then says ~forever)."""
-    left = context.time_remaining()
-    return None if left is None or left > 86_400 * 365 else max(0.0, left)
 
 
 def _refuse_columns(request: pb.KnnRequest | pb.RadiusRequest, rpc: str, streaming: str) -> None:
@@ -220,10 +215,9 @@ def _selects(message: Any) -> bool:
     return message.HasField("where") or message.HasField("within")
 
 
-def _sent(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
-    """``tables`` as one Arrow stream, encoded one slice or two ahead of the sender."""
-    messages = timing.timed(tables_to_messages(tables), "encode", nested=True)
-    yield from prefetched(messages, depth=PREFETCH_MESSAGES)
+def _encoded(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
+    """``tables`` as one Arrow stream, each message's encoding timed."""
+    return timing.timed(tables_to_messages(tables), "encode", nested=True)
 
 
 def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points | None:
@@ -237,6 +231,61 @@ def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points 
             f"this one also sets {', '.join(others)}"
         )
     return message.queries
+
+
+class _Upload:
+    """One Upload call's batches as they arrive, checked one message at a time."""
+
+    def __init__(self, store: DatasetStore, limits: Limits) -> None:
+        self.store = store
+        self.limits = limits
+        self.header: pb.UploadHeader | None = None
+        self.decoder = BatchDecoder()
+        self.batches: list[pa.RecordBatch] = []
+        self.rows = self.received_bytes = 0
+
+    def add(self, message: pb.UploadRequest) -> None:
+        if self.header is None:
+            if not message.HasField("header"):
+                raise InvalidInput("the first Upload message must carry the header")
+            self.header = message.header
+            check_dataset_name(self.header.dataset)
+        elif message.HasField("header"):
+            raise InvalidInput("only the first Upload message may carry a header")
+        batch = self.decoder.decode(message.data) if message.HasField("data") else None
+        if batch is None:
+            return
+        self.rows += batch.num_rows
+        if self.rows > self.limits.max_upload_rows:
+            raise LimitExceeded(
+                f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
+                "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append",
+                setting="GEONEAR_MAX_UPLOAD_ROWS",
+            )
+        # Refuse an upload far beyond the memory budget before all of it arrives.
+        self.received_bytes += batch.nbytes
+        self.store.check_host_budget(self.header.dataset, self.received_bytes)
+        self.batches.append(batch)
+
+    def commit(self, scope: CallScope) -> tuple[DatasetVersion, int]:
+        """Store what came: the new version and the rows received."""
+        header = self.header
+        if header is None:
+            raise InvalidInput("the Upload stream was empty")
+        if self.decoder.schema is None:
+            raise InvalidInput("the Upload stream carried no Arrow schema")
+        if not scope.is_active():
+            raise Cancelled("the upload was cancelled; nothing was stored")
+        mode = _MODES.get(header.mode)
+        if mode is None:
+            raise InvalidInput(f"unknown upload mode {header.mode}")
+        table = pa.Table.from_batches(self.batches, schema=self.decoder.schema)
+        # Row numbers as ids are given by the store, under its lock: an append's
+        # first number depends on the dataset as the append commits.
+        row_numbers = ids_are_row_numbers(table, header.id_column)
+        table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
+        version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
+        return version, self.rows
 
 
 class GeoNearServicer(pb_grpc.GeoNearServicer):
@@ -262,50 +311,18 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         self.filtered = FilteredIndexes(self.engine)
 
     # -- datasets ------------------------------------------------------------------------
-    def Upload(self, request_iterator, context):
-        header: pb.UploadHeader | None = None
-        decoder = BatchDecoder()
-        batches: list[pa.RecordBatch] = []
-        rows = received_bytes = 0
-        for message in request_iterator:
-            if header is None:
-                if not message.HasField("header"):
-                    raise InvalidInput("the first Upload message must carry the header")
-                header = message.header
-                check_dataset_name(header.dataset)
-            elif message.HasField("header"):
-                raise InvalidInput("only the first Upload message may carry a header")
-            batch = decoder.decode(message.data) if message.HasField("data") else None
-            if batch is None:
-                continue
-            rows += batch.num_rows
-            if rows > self.limits.max_upload_rows:
-                raise LimitExceeded(
-                    f"upload exceeds max_upload_rows={self.limits.max_upload_rows} "
-                    "(setting GEONEAR_MAX_UPLOAD_ROWS); upload in parts with mode append"
-                )
-            # Refuse an upload far beyond the memory budget before all of it arrives.
-            received_bytes += batch.nbytes
-            self.store.check_host_budget(header.dataset, received_bytes)
-            batches.append(batch)
-        if header is None:
-            raise InvalidInput("the Upload stream was empty")
-        if decoder.schema is None:
-            raise InvalidInput("the Upload stream carried no Arrow schema")
-        if not context.is_active():
-            raise Cancelled("the upload was cancelled; nothing was stored")
-        mode = _MODES.get(header.mode)
-        if mode is None:
-            raise InvalidInput(f"unknown upload mode {header.mode}")
-        table = pa.Table.from_batches(batches, schema=decoder.schema)
-        # Row numbers as ids are given by the store, under its lock: an append's
-        # first number depends on the dataset as the append commits.
-        row_numbers = ids_are_row_numbers(table, header.id_column)
-        table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
-        version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
+    async def Upload(self, request_iterator, context):
+        scope = CallScope(context)
+        upload = _Upload(self.store, self.limits)
+        async for message in request_iterator:
+            await in_thread(scope, upload.add, message)
+        version, rows = await in_thread(scope, upload.commit, scope)
         return pb.UploadResponse(dataset=dataset_info(version), rows_received=rows)
 
-    def DeleteRows(self, request, context):
+    async def DeleteRows(self, request, context):
+        return await in_thread(CallScope(context), self._delete_rows, request)
+
+    def _delete_rows(self, request: pb.DeleteRowsRequest) -> pb.DeleteRowsResponse:
         if request.int_ids and request.string_ids:
             raise InvalidInput("give int_ids or string_ids, not both")
         current = self.store.get(request.dataset)
@@ -318,14 +335,14 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             dataset=dataset_info(version), rows_deleted=deleted, ids_not_found=missing
         )
 
-    def ListDatasets(self, request, context):
+    async def ListDatasets(self, request, context):
         return pb.ListDatasetsResponse(datasets=[dataset_info(d) for d in self.store.datasets()])
 
-    def GetDataset(self, request, context):
+    async def GetDataset(self, request, context):
         return dataset_info(self.store.get(request.dataset))
 
-    def DropDataset(self, request, context):
-        dropped = self.store.drop(request.dataset)
+    async def DropDataset(self, request, context):
+        dropped = await in_thread(CallScope(context), self.store.drop, request.dataset)
         return pb.DropDatasetResponse(dataset=dropped.name, version=dropped.version)
 
     # -- queries -------------------------------------------------------------------------
@@ -376,22 +393,61 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return None
         return self.filtered.select(dataset, where, area)
 
-    # Knn and Radius stream answers of any size from a server thread, searched, assembled
-    # and sent a slice of queries at a time, the next slice made while one is sent; the
+    # Knn and Radius stream answers of any size, searched, assembled and encoded on a
+    # thread a slice of queries at a time, the next slice made while one is sent; the
     # compact forms answer small queries on the event loop, where batching costs no
     # thread handoff per request (docs/benchmarks.md, "Small queries"). Every answer's
     # size is known, and checked against the limits, before the search.
-    def Knn(self, request, context):
-        return self._answer(iter([request]), context, self._knn_answers)
+    async def Knn(self, request, context):
+        stream = self._streamed(context, self._answer, iter([request]), self._knn_answers)
+        async for message in stream:
+            yield message
 
-    def Radius(self, request, context):
-        return self._answer(iter([request]), context, self._radius_answers)
+    async def Radius(self, request, context):
+        stream = self._streamed(context, self._answer, iter([request]), self._radius_answers)
+        async for message in stream:
+            yield message
 
-    def KnnStream(self, request_iterator, context):
-        return self._answer(request_iterator, context, self._knn_answers)
+    async def KnnStream(self, request_iterator, context):
+        stream = self._streamed(context, self._answer, self._knn_answers, requests=request_iterator)
+        async for message in stream:
+            yield message
 
-    def RadiusStream(self, request_iterator, context):
-        return self._answer(request_iterator, context, self._radius_answers)
+    async def RadiusStream(self, request_iterator, context):
+        stream = self._streamed(
+            context, self._answer, self._radius_answers, requests=request_iterator
+        )
+        async for message in stream:
+            yield message
+
+    async def _streamed(
+        self,
+        context: grpc.aio.ServicerContext,
+        make: Callable[..., Iterator[Any]],
+        *args: Any,
+        requests: AsyncIterator[Any] | None = None,
+    ) -> AsyncIterator[Any]:
+        """The messages of ``make(*args, scope, timing)``, made on a thread up to
+        PREFETCH_MESSAGES ahead of the sender; where the time went goes back in the
+        ``geonear-timing`` trailer. With ``requests`` (a streamed request), ``make``
+        gets the request's messages first, each read from the loop as it asks for it."""
+        scope, timing = CallScope(context), StageTimes()
+        feed = None if requests is None else RequestFeed(requests, scope)
+        reader = None if feed is None else asyncio.create_task(feed.pump())
+        if feed is not None:
+            args = (feed.messages(), *args)
+        made = produced(scope, lambda: make(*args, scope, timing), PREFETCH_MESSAGES)
+        try:
+            async with contextlib.aclosing(made):
+                async for message in made:
+                    yield message
+        finally:
+            if feed is not None and reader is not None:
+                feed.stop()
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
 
     def _knn_answers(
         self,
@@ -399,13 +455,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         points: pb.Points,
         dataset: DatasetVersion,
         offset: int,
-        context: Any,
     ) -> tuple[int, Iterator[NeighbourGrid]]:
         query = knn_query(**self._knn_args(first, dataset, points))
-        timeout_s = _time_left_s(context)
-        return query.n_queries, knn_slices(
-            query, batcher=self.batcher, timeout_s=timeout_s, offset=offset
-        )
+        return query.n_queries, knn_slices(query, offset=offset)
 
     def _radius_answers(
         self,
@@ -413,25 +465,22 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         points: pb.Points,
         dataset: DatasetVersion,
         offset: int,
-        context: Any,
     ) -> tuple[int, Iterator[NeighbourRows]]:
         query = radius_query(**self._radius_args(first, dataset, points))
-        timeout_s = _time_left_s(context)
-        return query.n_queries, radius_slices(
-            query, batcher=self.batcher, timeout_s=timeout_s, offset=offset
-        )
+        return query.n_queries, radius_slices(query, offset=offset)
 
     def _answer(
-        self, requests: Iterator[Any], context: Any, answers: Callable[..., Any]
+        self,
+        requests: Iterator[Any],
+        answers: Callable[..., Any],
+        scope: CallScope,
+        timing: StageTimes,
     ) -> Iterator[pb.ArrowData]:
         """One Arrow stream answering every request message's query points in order.
 
         The first message is the whole request; later ones (the streaming RPCs) carry
-        only more query points, answered on the first one's dataset version. Slices are
-        searched, assembled and encoded on a thread of their own, one slice ahead of the
-        sender; where the time went goes back in the ``geonear-timing`` trailer.
+        only more query points, answered on the first one's dataset version.
         """
-        timing = StageTimes()
         first = next(requests, None)
         if first is None:
             raise InvalidInput("the request stream carried no message")
@@ -444,42 +493,43 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             offset, points = 0, first.queries
             while points is not None:
                 with timing.stage("decode"):
-                    n_queries, found = answers(first, points, dataset, offset, context)
+                    n_queries, found = answers(first, points, dataset, offset)
                 for piece in timing.timed(found, "search"):
                     with timing.stage("assemble"):
                         table = piece.table(self.engine.earth_radius_m, layout)
                     yield table
-                    if not context.is_active():
+                    if not scope.is_active():
                         raise Cancelled("the call was cancelled; its search stopped")
                 offset += n_queries
                 points = _more_points(next(requests, None))
 
-        yield from _sent(tables(), timing)
-        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+        return _encoded(tables(), timing)
 
     async def KnnCompact(self, request, context):
+        scope = CallScope(context)
         _refuse_columns(request, "KnnCompact", "Knn")
         # A new filter's or area's index is built off the event loop.
         args = (
-            await asyncio.to_thread(self._knn_args, request)
+            await in_thread(scope, self._knn_args, request)
             if _selects(request)
             else self._knn_args(request)
         )
         query = knn_query(**args)
         _check_compact(query.result_rows, "Knn")
-        found = await knn_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+        found = await knn(query, batcher=self.batcher, timeout_s=scope.time_left_s())
         return self._compact(found)
 
     async def RadiusCompact(self, request, context):
+        scope = CallScope(context)
         _refuse_columns(request, "RadiusCompact", "Radius")
-        args = (
-            await asyncio.to_thread(self._radius_args, request)
-            if _selects(request)
-            else self._radius_args(request)
-        )
-        query = await radius_query_async(**args)
+        # Counting many queries, or building a filter's or area's index, is done off
+        # the event loop.
+        if _selects(request) or len(request.queries.lat) > INLINE_COUNT_QUERIES:
+            query = await in_thread(scope, lambda: radius_query(**self._radius_args(request)))
+        else:
+            query = radius_query(**self._radius_args(request))
         _check_compact(query.result_rows, "Radius")
-        found = await radius_async(query, batcher=self.batcher, timeout_s=_time_left_s(context))
+        found = await radius(query, batcher=self.batcher, timeout_s=scope.time_left_s())
         return self._compact(found)
 
     def _compact(self, found: NeighbourRows) -> pb.CompactNeighbours:
@@ -499,14 +549,20 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             response.string_ids.extend(found.ids().to_pylist())
         return response
 
-    def DistanceMatrix(self, request, context):
+    async def DistanceMatrix(self, request, context):
+        async for message in self._streamed(context, self._matrix_tiles, request):
+            yield message
+
+    def _matrix_tiles(
+        self, request: pb.DistanceMatrixRequest, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pb.MatrixTile]:
         lat1, lon1 = points_from_message(request.queries)
         lat2, lon2 = self._matrix_columns(request)
         dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
         if dtype is None:
             raise InvalidInput(f"unknown matrix dtype {request.dtype}")
         for tile in distance_tiles(
-            self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=context.is_active
+            self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=scope.is_active
         ):
             yield pb.MatrixTile(
                 row_start=tile.row_start,
@@ -560,7 +616,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         idx = rows.to_numpy()
         return dataset.lat[idx], dataset.lon[idx]
 
-    def KMeans(self, request, context):
+    async def KMeans(self, request, context):
+        async for message in self._streamed(context, self._kmeans, request):
+            yield message
+
+    def _kmeans(
+        self, request: pb.KMeansRequest, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pb.KMeansResponse]:
         dataset = self.store.get(request.dataset)
         answer = kmeans_query.kmeans(
             dataset,
@@ -573,7 +635,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return_labels=request.return_labels,
             points=self._selection(dataset, request),
             limits=self.limits,
-            should_stop=lambda: not context.is_active(),
+            should_stop=lambda: not scope.is_active(),
         )
         result = answer.result
         # k <= max_k keeps the centroid table small enough for one message.
@@ -591,8 +653,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             for message in table_to_messages(kmeans_query.label_table(answer)):
                 yield pb.KMeansResponse(labels=message)
 
-    def CountWithin(self, request, context):
-        timing = StageTimes()
+    async def CountWithin(self, request, context):
+        async for message in self._streamed(context, self._counts, request):
+            yield message
+
+    def _counts(
+        self, request: pb.CountWithinRequest, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pb.ArrowData]:
         with timing.stage("decode"):
             dataset = self.store.get(request.dataset)
             if bool(request.left_dataset) == request.HasField("queries"):
@@ -608,21 +675,21 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 left=left,
                 limits=self.limits,
             )
-        tables = count_tables(query, self.engine.earth_radius_m, context.is_active)
-        yield from _sent(timing.timed(tables, "search"), timing)
-        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+        tables = count_tables(query, self.engine.earth_radius_m, scope.is_active)
+        return _encoded(timing.timed(tables, "search"), timing)
 
     # Joins: the left dataset's points are the queries, searched and sent a slice at a
     # time as Knn's and Radius's are.
-    def KnnJoin(self, request, context):
-        return self._join(request, context, self._knn_join_slices)
+    async def KnnJoin(self, request, context):
+        async for message in self._streamed(context, self._join, request, self._knn_join_slices):
+            yield message
 
-    def RadiusJoin(self, request, context):
-        return self._join(request, context, self._radius_join_slices)
+    async def RadiusJoin(self, request, context):
+        stream = self._streamed(context, self._join, request, self._radius_join_slices)
+        async for message in stream:
+            yield message
 
-    def _knn_join_slices(
-        self, request: pb.KnnJoinRequest, sides: JoinSides, context: Any
-    ) -> Iterator[JoinSlice]:
+    def _knn_join_slices(self, request: pb.KnnJoinRequest, sides: JoinSides) -> Iterator[JoinSlice]:
         join = knn_join(
             sides,
             int(request.k),
@@ -630,10 +697,10 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             points=self._selection(sides.right, request),
             limits=self.limits,
         )
-        return knn_join_slices(join, batcher=self.batcher, timeout_s=_time_left_s(context))
+        return knn_join_slices(join)
 
     def _radius_join_slices(
-        self, request: pb.RadiusJoinRequest, sides: JoinSides, context: Any
+        self, request: pb.RadiusJoinRequest, sides: JoinSides
     ) -> Iterator[JoinSlice]:
         join = radius_join(
             sides,
@@ -641,12 +708,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             points=self._selection(sides.right, request),
             limits=self.limits,
         )
-        return radius_join_slices(join, batcher=self.batcher, timeout_s=_time_left_s(context))
+        return radius_join_slices(join)
 
     def _join(
-        self, request: Any, context: Any, slices: Callable[..., Iterator[JoinSlice]]
+        self,
+        request: Any,
+        slices: Callable[..., Iterator[JoinSlice]],
+        scope: CallScope,
+        timing: StageTimes,
     ) -> Iterator[pb.ArrowData]:
-        timing = StageTimes()
         layout = _LAYOUTS.get(request.layout)
         if layout is None:
             raise InvalidInput(f"unknown result layout {request.layout}")
@@ -658,20 +728,25 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 else self.store.get(request.right_dataset)
             )
             sides = join_sides(left, right, request.left_columns, request.right_columns)
-            found = slices(request, sides, context)
+            found = slices(request, sides)
 
         def tables() -> Iterator[pa.Table]:
             for piece in timing.timed(found, "search"):
                 with timing.stage("assemble"):
                     table = piece.table(self.engine.earth_radius_m, layout)
                 yield table
-                if not context.is_active():
+                if not scope.is_active():
                     raise Cancelled("the call was cancelled; its search stopped")
 
-        yield from _sent(tables(), timing)
-        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+        return _encoded(tables(), timing)
 
-    def Dbscan(self, request, context):
+    async def Dbscan(self, request, context):
+        async for message in self._streamed(context, self._dbscan, request):
+            yield message
+
+    def _dbscan(
+        self, request: pb.DbscanRequest, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pb.DbscanResponse]:
         dataset = self.store.get(request.dataset)
         answer = dbscan_query.dbscan(
             dataset,
@@ -681,7 +756,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             return_labels=request.return_labels,
             earth_radius_m=self.engine.earth_radius_m,
             limits=self.limits,
-            should_stop=lambda: not context.is_active(),
+            should_stop=lambda: not scope.is_active(),
         )
         result = answer.result
         yield pb.DbscanResponse(
@@ -697,8 +772,13 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             for message in table_to_messages(dbscan_query.label_table(answer)):
                 yield pb.DbscanResponse(labels=message)
 
-    def Within(self, request, context):
-        timing = StageTimes()
+    async def Within(self, request, context):
+        async for message in self._streamed(context, self._within, request):
+            yield message
+
+    def _within(
+        self, request: pb.WithinRequest, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pb.ArrowData]:
         with timing.stage("decode"):
             dataset = self.store.get(request.dataset)
             area = _area(request, "area")
@@ -707,11 +787,10 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             query = within_query(
                 dataset, area, selected=selected, columns=request.columns, limits=self.limits
             )
-        tables = within_tables(query, context.is_active)
-        yield from _sent(timing.timed(tables, "assemble"), timing)
-        context.set_trailing_metadata(((TIMING_KEY, timing.header()),))
+        tables = within_tables(query, scope.is_active)
+        return _encoded(timing.timed(tables, "assemble"), timing)
 
-    def ServerInfo(self, request, context):
+    async def ServerInfo(self, request, context):
         used, total = self.engine.memory_pool_bytes()
         limits = self.limits
         return pb.ServerInfoResponse(

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -35,6 +33,15 @@ def index() -> KDTreeIndex:
     return KDTreeIndex(lat, lon, 6_371_008.8)
 
 
+def _awaited_together(calls: list[Callable[[], Awaitable[object]]]) -> list:
+    """Every call awaited concurrently on one event loop, as the server's handlers are."""
+
+    async def all_of_them() -> list:
+        return await asyncio.gather(*(call() for call in calls))
+
+    return asyncio.run(all_of_them())
+
+
 def test_concurrent_knn_batched_equals_unbatched(index: KDTreeIndex) -> None:
     batcher = Batcher(max_points=256, max_delay_us=2000)
     lat, lon = uniform_points(400, seed=9)
@@ -42,12 +49,11 @@ def test_concurrent_knn_batched_equals_unbatched(index: KDTreeIndex) -> None:
     ks = [1 + (i % 17) for i in range(400)]
     bounds = [None if i % 3 else 500_000.0 for i in range(400)]
 
-    def one(i: int):
-        return batcher.knn(index, lat[i : i + 1], lon[i : i + 1], ks[i], bounds[i])
+    def one(i: int) -> Callable[[], Awaitable[object]]:
+        return lambda: batcher.knn(index, lat[i : i + 1], lon[i : i + 1], ks[i], bounds[i], 30.0)
 
     try:
-        with ThreadPoolExecutor(max_workers=32) as pool:
-            got = list(pool.map(one, range(400)))
+        got = _awaited_together([one(i) for i in range(400)])
     finally:
         batcher.close()
     assert batcher.batches < batcher.requests  # requests really were coalesced
@@ -62,66 +68,17 @@ def test_concurrent_radius_batched_equals_unbatched(index: KDTreeIndex) -> None:
     lat, lon = index.lat[:200] + 0.05, index.lon[:200]
     radii = [20_000.0 if i % 2 else 50_000.0 for i in range(200)]
 
-    def one(i: int):
-        return batcher.radius(index, lat[i : i + 1], lon[i : i + 1], radii[i])
+    def one(i: int) -> Callable[[], Awaitable[object]]:
+        return lambda: batcher.radius(index, lat[i : i + 1], lon[i : i + 1], radii[i])
 
     try:
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            got = list(pool.map(one, range(200)))
-    finally:
-        batcher.close()
-    for i, result in enumerate(got):
-        want = index.radius(lat[i : i + 1], lon[i : i + 1], radii[i])
-        np.testing.assert_array_equal(result.offsets, want.offsets)
-        np.testing.assert_array_equal(result.indices, want.indices)
-        np.testing.assert_array_equal(result.distances_m, want.distances_m)
-
-
-def test_deadline_in_queue_leaves_the_batch_alone(index: KDTreeIndex) -> None:
-    slow = SlowIndex(index.lat, index.lon, index.earth_radius_m)
-    batcher = Batcher(max_points=64, max_delay_us=0)
-    lat, lon = uniform_points(3, seed=1)
-    results: dict[str, object] = {}
-
-    def first() -> None:
-        results["first"] = batcher.knn(slow, lat[:1], lon[:1], 5, None)
-
-    try:
-        runner = threading.Thread(target=first)
-        runner.start()
-        time.sleep(0.1)  # the dispatcher is now busy with the first request
-        with pytest.raises(QueueDeadlineExceeded) as excinfo:
-            batcher.knn(slow, lat[1:2], lon[1:2], 5, None, timeout_s=0.05)
-        assert excinfo.value.status == "DEADLINE_EXCEEDED"
-        runner.join()
-        after = batcher.knn(slow, lat[2:3], lon[2:3], 5, None, timeout_s=30)
-    finally:
-        batcher.close()
-    np.testing.assert_array_equal(results["first"].indices, index.knn(lat[:1], lon[:1], 5).indices)
-    np.testing.assert_array_equal(after.indices, index.knn(lat[2:3], lon[2:3], 5).indices)
-    assert batcher.requests == 2  # the expired request never reached the engine
-
-
-def test_requests_awaited_on_an_event_loop_batch_exactly(index: KDTreeIndex) -> None:
-    """The server's loop path: knn_async callers share engine calls, answers unchanged."""
-    batcher = Batcher(max_points=256, max_delay_us=2000)
-    lat, lon = uniform_points(300, seed=4)
-    ks = [1 + (i % 11) for i in range(300)]
-
-    async def all_of_them() -> list:
-        calls = [
-            batcher.knn_async(index, lat[i : i + 1], lon[i : i + 1], ks[i], None, 30.0)
-            for i in range(300)
-        ]
-        return await asyncio.gather(*calls)
-
-    try:
-        got = asyncio.run(all_of_them())
+        got = _awaited_together([one(i) for i in range(200)])
     finally:
         batcher.close()
     assert batcher.batches < batcher.requests
     for i, result in enumerate(got):
-        want = index.knn(lat[i : i + 1], lon[i : i + 1], ks[i])
+        want = index.radius(lat[i : i + 1], lon[i : i + 1], radii[i])
+        np.testing.assert_array_equal(result.offsets, want.offsets)
         np.testing.assert_array_equal(result.indices, want.indices)
         np.testing.assert_array_equal(result.distances_m, want.distances_m)
 
@@ -141,10 +98,10 @@ def _around_a_waiting_request(
     lat, lon = uniform_points(3, seed=seed)
 
     async def scenario() -> tuple:
-        first = asyncio.ensure_future(batcher.knn_async(slow, lat[:1], lon[:1], 5, None))
+        first = asyncio.ensure_future(batcher.knn(slow, lat[:1], lon[:1], 5, None))
         await asyncio.sleep(0.1)  # the dispatcher is now busy with the first request
         await middle(batcher, slow, lat[1:2], lon[1:2])
-        return await first, await batcher.knn_async(slow, lat[2:3], lon[2:3], 5, None, 30)
+        return await first, await batcher.knn(slow, lat[2:3], lon[2:3], 5, None, 30)
 
     try:
         first, after = asyncio.run(scenario())
@@ -158,7 +115,7 @@ def _around_a_waiting_request(
 def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTreeIndex) -> None:
     async def expires(batcher: Batcher, slow: SlowIndex, lat: np.ndarray, lon: np.ndarray) -> None:
         with pytest.raises(QueueDeadlineExceeded):
-            await batcher.knn_async(slow, lat, lon, 5, None, timeout_s=0.05)
+            await batcher.knn(slow, lat, lon, 5, None, timeout_s=0.05)
 
     batcher = _around_a_waiting_request(index, 1, expires)
     assert batcher.requests == 2  # the expired request never reached the engine
@@ -166,7 +123,7 @@ def test_an_awaited_request_past_its_deadline_leaves_the_batch_alone(index: KDTr
 
 def test_a_cancelled_awaited_request_never_reaches_the_engine(index: KDTreeIndex) -> None:
     async def leaves(batcher: Batcher, slow: SlowIndex, lat: np.ndarray, lon: np.ndarray) -> None:
-        waiting = asyncio.ensure_future(batcher.knn_async(slow, lat, lon, 5, None))
+        waiting = asyncio.ensure_future(batcher.knn(slow, lat, lon, 5, None))
         await asyncio.sleep(0.01)
         waiting.cancel()  # its caller went away while it waited in the queue
         with pytest.raises(asyncio.CancelledError):

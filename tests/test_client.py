@@ -14,9 +14,9 @@ import pytest
 import geonear
 from geonear.clients import client as client_module
 from geonear.clients.client import Client, KMeansOutcome
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.loaders.synthetic import uniform_points
 from geonear.service.engines import create_engine
-from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.service.settings import Limits
 
 POINTS = uniform_points(2000, seed=41)

@@ -20,6 +20,7 @@ from scipy.sparse import coo_array
 from scipy.sparse.csgraph import connected_components
 from sklearn.cluster import DBSCAN
 
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.analytics import (
     DbscanResult,
@@ -29,7 +30,6 @@ from geonear.service.analytics import (
     min_label_components,
 )
 from geonear.service.engines import create_engine, gpu_available
-from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 
 
 def sklearn_dbscan(

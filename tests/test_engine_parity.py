@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
     ENGINES,
@@ -33,7 +34,6 @@ from geonear.service.engines import (
     engine_names,
 )
 from geonear.service.engines.base import sort_radius
-from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 REFERENCE = "numpy-brute"
 #: Distances closer than this are ties for the exactness rule, metres.

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from geonear.loaders.synthetic import uniform_points
 from geonear.geometry import (
     EARTH_RADIUS_M,
     angle_between,
@@ -17,6 +16,7 @@ from geonear.geometry import (
     unit_vectors,
     unit_vectors_to_latlon,
 )
+from geonear.loaders.synthetic import uniform_points
 
 R = EARTH_RADIUS_M
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from test_engine_parity import TIE_M, assert_same_neighbours
 
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
     Engine,
@@ -24,7 +25,6 @@ from geonear.service.engines import (
     gpu_available,
 )
 from geonear.service.engines.base import Neighbours
-from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,6 +30,7 @@ import pytest
 from conftest import RunningServer, start_server
 
 from geonear.clients.client import Client
+from geonear.geometry import EARTH_RADIUS_M, unit_vectors, unit_vectors_to_latlon
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import (
     Engine,
@@ -45,7 +46,6 @@ from geonear.service.engines.spherical_kmeans import (
     spherical_kmeans,
     stopping_when,
 )
-from geonear.geometry import EARTH_RADIUS_M, unit_vectors, unit_vectors_to_latlon
 from geonear.service.settings import Limits
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc

@@ -9,6 +9,7 @@ it; its restart is a plain ``geonear serve`` on the same data directory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import types
@@ -23,10 +24,10 @@ from server_process import start_server
 
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import uniform_points
-from geonear.service.engines import gpu_memory
+from geonear.service.calls import CallScope, in_thread
+from geonear.service.engines import ENGINES, gpu_memory, register_engine
 from geonear.service.engines.base import DeviceLost, Neighbours
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
-from geonear.service.interceptor import _in_thread
 from geonear.service.lifecycle import EXIT_DEVICE_LOST
 from geonear.service.server import SERVICE_NAME, build_server
 from geonear.service.settings import ServerSettings
@@ -57,6 +58,14 @@ class DeviceLostEngine(CPUEngine):
 
     def build_index(self, lat: np.ndarray, lon: np.ndarray) -> KDTreeIndex:
         return DeviceLostIndex(lat, lon, self.earth_radius_m, self.workers)
+
+
+# Declared as the cpu engine is, under its own name.
+register_engine(
+    dataclasses.replace(
+        ENGINES["cpu"], name="device-lost", target="test_lifecycle:DeviceLostEngine"
+    )
+)
 
 
 #: Runs ``serve`` with the failing engine in a fresh interpreter (argv: tests dir, data dir).
@@ -225,15 +234,15 @@ def test_errors_a_later_call_survives_are_not_device_lost(text: str) -> None:
 def test_a_thread_pool_call_closed_at_shutdown_ends_without_an_error() -> None:
     """A cancelled call still waiting for its thread, closed when the loop goes away,
     ends quietly (it used to raise its CancelledError from close: "Exception ignored")."""
-    context = types.SimpleNamespace(over=threading.Event())  # _in_thread reads only this
+    scope = CallScope(types.SimpleNamespace(time_remaining=lambda: None))  # type: ignore[arg-type]
     release = threading.Event()
     loop = asyncio.new_event_loop()
     try:
-        task = loop.create_task(_in_thread(context, release.wait))  # type: ignore[arg-type]
+        task = loop.create_task(in_thread(scope, release.wait))
         loop.run_until_complete(asyncio.sleep(0.05))
         task.cancel()
         loop.run_until_complete(asyncio.sleep(0.05))
-        assert context.over.is_set()  # the handler was told it is over
+        assert not scope.is_active()  # the handler's work was told the call is over
         assert not task.done()  # and the call waits for its thread to let go
         task.get_coro().close()  # what a closing loop's garbage collection does
     finally:

@@ -21,6 +21,7 @@ import pytest
 
 from geonear.clients.cli import main
 from geonear.clients.client import Client
+from geonear.geometry import great_circle_m
 from geonear.loaders import (
     BUNDLED,
     DATA_SETS,
@@ -39,7 +40,6 @@ from geonear.loaders import (
     write_table,
 )
 from geonear.loaders.csv_files import sniff_csv
-from geonear.geometry import great_circle_m
 from geonear.service.server import create_server
 from geonear.service.settings import ServerSettings
 

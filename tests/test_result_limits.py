@@ -28,9 +28,9 @@ import pytest
 from geonear._wire import points_to_message, table_to_messages
 from geonear.clients.client import Client
 from geonear.clients.errors import ResourceExhausted
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import Engine, EngineUnavailable, create_engine, engine_names
-from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.service.queries.common import SLICE_ROWS
 from geonear.service.server import ServerParts, build_server
 from geonear.service.settings import (

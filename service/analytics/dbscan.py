@@ -54,15 +54,15 @@ from scipy.sparse import coo_array
 from scipy.sparse.csgraph import connected_components
 from scipy.spatial import cKDTree
 
-from geonear.service.engines.base import PointIndex
-from geonear.service.engines.cpu import KDTreeIndex
-from geonear.service.engines.host import HostIndex
 from geonear.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
     great_circle_m,
     unit_vectors,
 )
+from geonear.service.engines.base import PointIndex
+from geonear.service.engines.cpu import KDTreeIndex
+from geonear.service.engines.host import HostIndex
 
 if TYPE_CHECKING:
     from geonear.service.engines.gpu import GPUIndex

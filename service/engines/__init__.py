@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
+from geonear.geometry import EARTH_RADIUS_M
 from geonear.service.engines.base import (
     Engine,
     KMeansResult,
@@ -36,7 +37,6 @@ from geonear.service.engines.base import (
     RadiusNeighbours,
 )
 from geonear.service.errors import EngineUnavailable, Unsupported
-from geonear.geometry import EARTH_RADIUS_M
 
 __all__ = [
     "ENGINES",
@@ -52,6 +52,7 @@ __all__ = [
     "engine_names",
     "engine_spec",
     "gpu_available",
+    "register_engine",
     "require",
     "runnable_engine_names",
 ]
@@ -178,6 +179,12 @@ def engine_spec(name: str) -> EngineSpec:
         raise EngineUnavailable(
             f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
         ) from None
+
+
+def register_engine(spec: EngineSpec) -> None:
+    """Declare one more engine (e.g. an engine of another package, or a test's): its
+    class is imported from ``spec.target`` when first created."""
+    ENGINES[spec.name] = spec
 
 
 def require(engine_name: str, capability: Capability, what: str) -> None:

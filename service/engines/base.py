@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 import pyarrow as pa
 
+from geonear.geometry import EARTH_RADIUS_M
+
 # DeviceLost is raised by engines and defined with the service's other errors.
 from geonear.service.errors import DeviceLost as DeviceLost
-from geonear.geometry import EARTH_RADIUS_M
 
 if TYPE_CHECKING:
     from geonear.service.engines import EngineSpec
@@ -187,13 +188,13 @@ class Engine(ABC):
     @property
     def spec(self) -> EngineSpec:
         """This engine's declaration: where it runs and what it can answer."""
-        from geonear.service.engines import ENGINES
+        from geonear.service.engines import engine_spec
 
-        return ENGINES[self.name]
+        return engine_spec(self.name)
 
     @property
     def device_kind(self) -> str:
-        """"cpu" or "gpu", from the spec."""
+        """ "cpu" or "gpu", from the spec."""
         return self.spec.device_kind
 
     @abstractmethod

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 from scipy.spatial import cKDTree
 
+from geonear.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.host import (
     SLICE_THREADS,
@@ -23,7 +24,6 @@ from geonear.service.engines.host import (
     in_slice_thread,
     slice_threads,
 )
-from geonear.geometry import EARTH_RADIUS_M, chord_for_distance, unit_vectors
 
 #: Relative slack on chord bounds: far above float64 rounding, far below 1 mm.
 _CHORD_SLACK = 1e-9

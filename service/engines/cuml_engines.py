@@ -21,6 +21,11 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from geonear.geometry import (
+    EARTH_RADIUS_M,
+    angle_between,
+    unit_vectors,
+)
 from geonear.service.engines import EngineUnavailable, gpu_memory
 from geonear.service.engines.base import (
     KMeansResult,
@@ -32,11 +37,6 @@ from geonear.service.engines.base import (
 )
 from geonear.service.engines.host import HostEngine, HostIndex
 from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
-from geonear.geometry import (
-    EARTH_RADIUS_M,
-    angle_between,
-    unit_vectors,
-)
 
 #: Bound on one block of (query, point) distances held on the device, elements.
 _BLOCK_ELEMENTS = 1 << 26

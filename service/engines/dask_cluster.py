@@ -34,6 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from geonear.geometry import (
+    EARTH_RADIUS_M,
+    angle_between,
+    unit_vectors,
+)
 from geonear.service.engines.base import (
     Engine,
     KMeansResult,
@@ -50,11 +55,6 @@ from geonear.service.engines.spherical_kmeans import (
     spherical_kmeans,
 )
 from geonear.service.errors import ServiceError
-from geonear.geometry import (
-    EARTH_RADIUS_M,
-    angle_between,
-    unit_vectors,
-)
 
 #: Slack on pruning bounds, metres: partitions within this of the threshold are asked.
 _PRUNE_SLACK_M = 1e-3
@@ -372,8 +372,12 @@ class _DaskKMeans(ArrayKMeans):
         super().__init__(unit_vectors(index.lat, index.lon), weights, index.earth_radius_m, np)
         self.index = index
         client = index.client
+        # hash=False: a key of this run's own. Scattered by content, equal weights of two
+        # runs shared one key, which the first run's release could drop under the second.
         self._weights_future = (
-            None if self.weights is None else client.scatter(self.weights, broadcast=True)
+            None
+            if self.weights is None
+            else client.scatter(self.weights, broadcast=True, hash=False)
         )
 
     def _each_partition(self, function: Any, *args: Any) -> list[Any]:

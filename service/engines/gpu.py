@@ -65,6 +65,10 @@ import cupyx
 import numpy as np
 import pyarrow as pa
 
+from geonear.geometry import (
+    EARTH_RADIUS_M,
+    chord_for_distance,
+)
 from geonear.service.engines import gpu_memory
 from geonear.service.engines.base import (
     Engine,
@@ -81,10 +85,6 @@ from geonear.service.engines.spherical_kmeans import (
     kmeans_plus_plus,
     lloyd,
     spherical_kmeans,
-)
-from geonear.geometry import (
-    EARTH_RADIUS_M,
-    chord_for_distance,
 )
 
 #: Points per leaf of the index: 8 measured fastest on an H200 among 8-32 (10M points,

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from geonear.geometry import angle_between, great_circle_m, unit_vectors
 from geonear.service.engines.base import (
     Engine,
     KMeansResult,
@@ -22,7 +23,6 @@ from geonear.service.engines.base import (
     sort_radius,
 )
 from geonear.service.engines.spherical_kmeans import ArrayKMeans, spherical_kmeans
-from geonear.geometry import angle_between, great_circle_m, unit_vectors
 
 #: Bound on the number of (query, point) pairs evaluated at once by brute force.
 BLOCK_PAIRS = 1 << 22

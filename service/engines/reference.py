@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from geonear.geometry import great_circle_m
 from geonear.service.engines.base import Neighbours, RadiusNeighbours, sort_radius
 from geonear.service.engines.host import BLOCK_PAIRS, HostEngine, HostIndex
-from geonear.geometry import great_circle_m
 
 
 class ReferenceIndex(HostIndex):

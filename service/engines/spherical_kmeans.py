@@ -51,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from geonear.service.engines.base import KMeansResult
 from geonear.geometry import angle_between, unit_vectors_to_latlon
+from geonear.service.engines.base import KMeansResult
 
 log = logging.getLogger("geonear.kmeans")
 

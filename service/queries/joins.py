@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from geonear.service.batching import Batcher
 from geonear.service.errors import ColumnNotFound, InvalidInput
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows, take_columns
 from geonear.service.queries.filters import PointSelection
@@ -202,20 +201,16 @@ class JoinSlice:
         return pa.table(out).replace_schema_metadata(sides.metadata(earth_radius_m, layout))
 
 
-def knn_join_slices(
-    join: KnnJoin, *, batcher: Batcher | None = None, timeout_s: float | None = None
-) -> Iterator[JoinSlice]:
+def knn_join_slices(join: KnnJoin) -> Iterator[JoinSlice]:
     """The join a slice of left points at a time, each searched as it is asked for."""
-    for grid in knn_slices(join.query, batcher=batcher, timeout_s=timeout_s):
+    for grid in knn_slices(join.query):
         yield JoinSlice(join.sides, grid, grid.first_query, int(grid.indices.shape[0]))
 
 
-def radius_join_slices(
-    join: RadiusJoin, *, batcher: Batcher | None = None, timeout_s: float | None = None
-) -> Iterator[JoinSlice]:
+def radius_join_slices(join: RadiusJoin) -> Iterator[JoinSlice]:
     """The join a slice of left points at a time (about SLICE_ROWS pairs each)."""
     first = 0
-    for rows in radius_slices(join.query, batcher=batcher, timeout_s=timeout_s):
+    for rows in radius_slices(join.query):
         assert rows.offsets is not None
         n = int(rows.offsets.shape[0]) - 1
         yield JoinSlice(join.sides, rows, first, n)

@@ -4,9 +4,9 @@ A query searches a :class:`~geonear.service.queries.filters.PointSelection`: the
 dataset's own index, or a filter's index of the points it selects, whose row numbers
 are mapped back to the dataset's before anything else sees them.
 
-``knn_query`` checks a request and knows its answer's size before any search;
-``knn``/``knn_async`` answer it whole (compact answers, small by construction) and
-``knn_slices`` a slice of queries at a time (streamed answers).
+``knn_query`` checks a request and knows its answer's size before any search; ``knn``
+answers it whole, on the event loop (compact answers, small by construction, batched),
+and ``knn_slices`` a slice of queries at a time, on a thread (streamed answers).
 """
 
 from __future__ import annotations
@@ -102,64 +102,38 @@ def knn_query(
     return query
 
 
-def knn(
+async def knn(
     query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
 ) -> NeighbourRows:
-    """Neighbours of every query, nearest first, in one engine call.
-
-    With a ``batcher``, the engine call may be shared with concurrent requests; a
-    request still queued after ``timeout_s`` is refused with DEADLINE_EXCEEDED.
-    """
-    return _search(query, 0, query.n_queries, batcher, timeout_s).neighbour_rows()
-
-
-async def knn_async(
-    query: KnnQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
-) -> NeighbourRows:
-    """``knn`` for the server's event loop: the engine runs on another thread."""
+    """Neighbours of every query, nearest first, in one engine call, for a handler on the
+    server's event loop: the engine runs on another thread. With a ``batcher``, the
+    engine call may be shared with concurrent requests; a request still queued after
+    ``timeout_s`` is refused with DEADLINE_EXCEEDED."""
     q = query
     shared = batchable(batcher, q.n_queries, q.result_rows)
     if shared is None:
         found = await asyncio.to_thread(q.points.index.knn, q.lat, q.lon, q.k, q.max_distance_m)
     else:
-        found = await shared.knn_async(
-            q.points.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s
-        )
+        found = await shared.knn(q.points.index, q.lat, q.lon, q.k, q.max_distance_m, timeout_s)
     return _grid(q, found, 0).neighbour_rows()
 
 
-def knn_slices(
-    query: KnnQuery,
-    *,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
-    offset: int = 0,
-) -> Iterator[NeighbourGrid]:
+def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
     """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched
-    ``SEARCH_ROWS`` rows of queries at once as it is asked for; query_index counts from
-    ``offset`` (the call's earlier queries)."""
-    per_query = query.rows_per_query
-    for start, stop in fixed_slices(query.n_queries, per_query, SEARCH_ROWS):
-        found = _search(query, start, stop, batcher, timeout_s)
+    ``SEARCH_ROWS`` rows of queries at once as it is asked for, on the caller's thread;
+    query_index counts from ``offset`` (the call's earlier queries)."""
+    q = query
+    per_query = q.rows_per_query
+    for start, stop in fixed_slices(q.n_queries, per_query, SEARCH_ROWS):
+        found = q.points.index.knn(q.lat[start:stop], q.lon[start:stop], q.k, q.max_distance_m)
+        grid = _grid(q, found, start)
         for a, b in fixed_slices(stop - start, per_query):
             yield dataclasses.replace(
-                found,
-                indices=found.indices[a:b],
-                distances_m=found.distances_m[a:b],
-                first_query=found.first_query + a + offset,
+                grid,
+                indices=grid.indices[a:b],
+                distances_m=grid.distances_m[a:b],
+                first_query=grid.first_query + a + offset,
             )
-
-
-def _search(
-    q: KnnQuery, start: int, stop: int, batcher: Batcher | None, timeout_s: float | None
-) -> NeighbourGrid:
-    lat, lon = q.lat[start:stop], q.lon[start:stop]
-    shared = batchable(batcher, stop - start, (stop - start) * q.rows_per_query)
-    if shared is None:
-        found = q.points.index.knn(lat, lon, q.k, q.max_distance_m)
-    else:
-        found = shared.knn(q.points.index, lat, lon, q.k, q.max_distance_m, timeout_s)
-    return _grid(q, found, start)
 
 
 def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:

@@ -2,8 +2,8 @@
 
 ``radius_query`` checks a request and counts each query's neighbours (the engine's
 ``radius_count``, which gathers none), so that the answer's size is known before the
-search; ``radius``/``radius_async`` answer it whole and ``radius_slices`` a slice of
-queries at a time, cut by those counts. As for KNN, the points searched are a
+search; ``radius`` answers it whole, on the event loop, and ``radius_slices`` a slice of
+queries at a time, cut by those counts, on a thread. As for KNN, the points searched are a
 :class:`~geonear.service.queries.filters.PointSelection`.
 """
 
@@ -31,8 +31,8 @@ from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
-#: Counts for at most this many queries run on the event loop itself: a count of a few
-#: queries costs less than handing it to a thread.
+#: A compact radius request of at most this many queries is checked and counted on the
+#: event loop itself: a count of a few queries costs less than handing it to a thread.
 INLINE_COUNT_QUERIES = 64
 
 
@@ -74,63 +74,32 @@ def radius_query(
     ``knn.knn_query``."""
     checked = _check(dataset, lat, lon, radius_m, columns, limits, stored_queries)
     points = points or all_points(dataset)
-    return _counted(dataset, lat, lon, radius_m, checked, limits, points, None)
+    return _counted(dataset, lat, lon, radius_m, checked, limits, points)
 
 
-async def radius_query_async(
-    dataset: DatasetVersion,
-    lat: np.ndarray,
-    lon: np.ndarray,
-    radius_m: float,
-    *,
-    columns: Sequence[str] = (),
-    points: PointSelection | None = None,
-    limits: Limits,
-) -> RadiusQuery:
-    """``radius_query`` for the server's event loop: large counts run on another thread."""
-    checked = _check(dataset, lat, lon, radius_m, columns, limits, False)
-    points = points or all_points(dataset)
-    counts = (
-        points.index.radius_count(lat, lon, radius_m)
-        if lat.shape[0] <= INLINE_COUNT_QUERIES
-        else await asyncio.to_thread(points.index.radius_count, lat, lon, radius_m)
-    )
-    return _counted(dataset, lat, lon, radius_m, checked, limits, points, counts)
-
-
-def radius(
+async def radius(
     query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
 ) -> NeighbourRows:
     """Points within ``radius_m`` of each query, nearest first per query, in one engine
-    call (see ``knn.knn`` for the batcher)."""
-    return _search(query, 0, query.n_queries, batcher, timeout_s)
-
-
-async def radius_async(
-    query: RadiusQuery, *, batcher: Batcher | None = None, timeout_s: float | None = None
-) -> NeighbourRows:
-    """``radius`` for the server's event loop: the engine runs on another thread."""
+    call, for a handler on the server's event loop (see ``knn.knn`` for the batcher)."""
     q = query
     shared = batchable(batcher, q.n_queries, q.result_rows)
     if shared is None:
         found = await asyncio.to_thread(q.points.index.radius, q.lat, q.lon, q.radius_m)
     else:
-        found = await shared.radius_async(q.points.index, q.lat, q.lon, q.radius_m, timeout_s)
+        found = await shared.radius(q.points.index, q.lat, q.lon, q.radius_m, timeout_s)
     return _rows(q, found, 0)
 
 
-def radius_slices(
-    query: RadiusQuery,
-    *,
-    batcher: Batcher | None = None,
-    timeout_s: float | None = None,
-    offset: int = 0,
-) -> Iterator[NeighbourRows]:
+def radius_slices(query: RadiusQuery, *, offset: int = 0) -> Iterator[NeighbourRows]:
     """The answer a slice of queries at a time (about ``SLICE_ROWS`` rows each, by the
-    counts), searched as it is asked for; query_index counts from ``offset`` (the call's
-    earlier queries)."""
-    for start, stop in counted_slices(query.counts):
-        found = _search(query, start, stop, batcher, timeout_s)
+    counts), searched as it is asked for, on the caller's thread; query_index counts from
+    ``offset`` (the call's earlier queries)."""
+    q = query
+    for start, stop in counted_slices(q.counts):
+        found = _rows(
+            q, q.points.index.radius(q.lat[start:stop], q.lon[start:stop], q.radius_m), start
+        )
         if offset:
             found = dataclasses.replace(found, query_index=found.query_index + offset)
         yield found
@@ -162,27 +131,13 @@ def _counted(
     columns: tuple[str, ...],
     limits: Limits,
     points: PointSelection,
-    counts: np.ndarray | None,
 ) -> RadiusQuery:
-    if counts is None:
-        counts = points.index.radius_count(lat, lon, radius_m)
+    counts = points.index.radius_count(lat, lon, radius_m)
     query = RadiusQuery(dataset, lat, lon, radius_m, columns, counts, points)
     check_result_rows(
         query.result_rows, limits, f"a radius of {radius_m} m around {query.n_queries} queries"
     )
     return query
-
-
-def _search(
-    q: RadiusQuery, start: int, stop: int, batcher: Batcher | None, timeout_s: float | None
-) -> NeighbourRows:
-    lat, lon = q.lat[start:stop], q.lon[start:stop]
-    shared = batchable(batcher, stop - start, int(q.counts[start:stop].sum()))
-    if shared is None:
-        found = q.points.index.radius(lat, lon, q.radius_m)
-    else:
-        found = shared.radius(q.points.index, lat, lon, q.radius_m, timeout_s)
-    return _rows(q, found, start)
 
 
 def _rows(q: RadiusQuery, found: RadiusNeighbours, first_query: int) -> NeighbourRows:
