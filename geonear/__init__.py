@@ -30,27 +30,6 @@ if TYPE_CHECKING:
         Unavailable,
     )
 
-#: Public name -> the module that defines it.
-_PUBLIC = {
-    "Client": "geonear.clients.client",
-    "connect": "geonear.clients.client",
-    **{
-        name: "geonear.clients.errors"
-        for name in (
-            "AlreadyExists",
-            "DeadlineExceeded",
-            "FailedPrecondition",
-            "GeoNearError",
-            "InvalidArgument",
-            "NotFound",
-            "PermissionDenied",
-            "ResourceExhausted",
-            "Unauthenticated",
-            "Unavailable",
-        )
-    },
-}
-
 __all__ = [
     "AlreadyExists",
     "Client",
@@ -66,7 +45,12 @@ __all__ = [
     "__version__",
     "connect",
 ]
-assert sorted(__all__) == sorted([*_PUBLIC, "__version__"])
+#: Public name -> the module that defines it, imported on first use.
+_PUBLIC = {
+    name: "geonear.clients.client" if name in ("Client", "connect") else "geonear.clients.errors"
+    for name in __all__
+    if name != "__version__"
+}
 
 
 def __getattr__(name: str) -> Any:

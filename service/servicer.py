@@ -494,12 +494,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             while points is not None:
                 with timing.stage("decode"):
                     n_queries, found = answers(first, points, dataset, offset)
-                for piece in timing.timed(found, "search"):
-                    with timing.stage("assemble"):
-                        table = piece.table(self.engine.earth_radius_m, layout)
-                    yield table
-                    if not scope.is_active():
-                        raise Cancelled("the call was cancelled; its search stopped")
+                yield from self._assembled(found, layout, scope, timing)
                 offset += n_queries
                 points = _more_points(next(requests, None))
 
@@ -730,15 +725,18 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             sides = join_sides(left, right, request.left_columns, request.right_columns)
             found = slices(request, sides)
 
-        def tables() -> Iterator[pa.Table]:
-            for piece in timing.timed(found, "search"):
-                with timing.stage("assemble"):
-                    table = piece.table(self.engine.earth_radius_m, layout)
-                yield table
-                if not scope.is_active():
-                    raise Cancelled("the call was cancelled; its search stopped")
+        return _encoded(self._assembled(found, layout, scope, timing), timing)
 
-        return _encoded(tables(), timing)
+    def _assembled(
+        self, pieces: Iterator[Any], layout: str, scope: CallScope, timing: StageTimes
+    ) -> Iterator[pa.Table]:
+        """Each searched slice as a result table; the search stops once the call is over."""
+        for piece in timing.timed(pieces, "search"):
+            with timing.stage("assemble"):
+                table = piece.table(self.engine.earth_radius_m, layout)
+            yield table
+            if not scope.is_active():
+                raise Cancelled("the call was cancelled; its search stopped")
 
     async def Dbscan(self, request, context):
         async for message in self._streamed(context, self._dbscan, request):
