@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from geonear._wire import messages_to_table, points_to_message
 from geonear.clients.bench import (
     DEFAULT_ENGINES,
     SERVED_ENGINES,
@@ -42,6 +41,7 @@ from geonear.service.engines import EngineUnavailable, create_engine
 from geonear.service.timing import TIMING_KEY, parse_timing
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import messages_to_table, points_to_message
 
 #: Seconds a server started for the run gets to listen.
 START_TIMEOUT_S = 120.0

@@ -23,12 +23,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from geonear._wire import (
-    compact_to_table,
-    messages_to_table,
-    points_to_message,
-    table_to_messages,
-)
 from geonear.clients.areas import set_area, within_message
 from geonear.clients.cli_options import DEFAULT_TARGET
 from geonear.clients.errors import GeoNearError, ResourceExhausted, from_rpc_error
@@ -37,6 +31,12 @@ from geonear.clients.models import DatasetInfo, DeleteResult, ServerInfo
 from geonear.clients.query_points import Queries, attach_queries, queries
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import (
+    compact_to_table,
+    messages_to_table,
+    points_to_message,
+    table_to_messages,
+)
 
 #: Query points per request message (about 1 MB of Arrow); larger query sets go up as a
 #: stream of such messages, each searched on the server as it arrives.

@@ -59,7 +59,6 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from geonear._wire import WireError
 from geonear.service.admission import Admission
 from geonear.service.auth import Denial, TokenCheck
 from geonear.service.errors import (
@@ -80,6 +79,7 @@ from geonear.service.errors import (
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
+from geonear.wire import WireError
 
 request_log = logging.getLogger("geonear.requests")
 error_log = logging.getLogger("geonear.errors")

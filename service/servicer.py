@@ -18,12 +18,6 @@ import numpy as np
 import pyarrow as pa
 
 from geonear._version import __version__
-from geonear._wire import (
-    BatchDecoder,
-    points_from_message,
-    table_to_messages,
-    tables_to_messages,
-)
 from geonear.service.analytics.areas import Area
 from geonear.service.batching import Batcher
 from geonear.service.calls import CallScope, RequestFeed, in_thread, produced
@@ -75,6 +69,12 @@ from geonear.service.validation import (
 )
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import (
+    BatchDecoder,
+    points_from_message,
+    table_to_messages,
+    tables_to_messages,
+)
 
 log = logging.getLogger("geonear.servicer")
 

@@ -29,7 +29,6 @@ from analytics_data import (
     selection_mask,
 )
 
-from geonear._wire import messages_to_table
 from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -38,6 +37,7 @@ from geonear.service.server import build_server
 from geonear.service.settings import Limits, ServerSettings
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import messages_to_table
 
 
 def _expected(data: str, kept: str, q_lat: np.ndarray, q_lon: np.ndarray) -> np.ndarray:

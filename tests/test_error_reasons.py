@@ -16,7 +16,6 @@ import pyarrow as pa
 import pytest
 
 from geonear import GeoNearError, InvalidArgument, NotFound, ResourceExhausted
-from geonear._wire import points_to_message, table_to_messages
 from geonear.clients.client import Client
 from geonear.clients.errors import from_rpc_error
 from geonear.service import errors
@@ -32,6 +31,7 @@ from geonear.service.engines.cpu import CPUEngine
 from geonear.service.settings import Limits
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import points_to_message, table_to_messages
 
 
 def _table(n: int = 200, seed: int = 0) -> pa.Table:

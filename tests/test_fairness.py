@@ -23,13 +23,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from geonear._wire import table_to_messages
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import uniform_points
 from geonear.service.server import ServerParts, build_server
 from geonear.service.settings import Limits, ServerSettings
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import table_to_messages
 
 ADMIN = "admin-token-0123456789abcdef"
 READER = "read-token-0123456789abcdef"

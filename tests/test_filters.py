@@ -398,7 +398,7 @@ def test_a_streamed_query_set_is_filtered_by_its_first_message(
         dataset="pts", queries=pb.Points(lat=[0.0], lon=[0.0]), k=3, where=filter_message(where)
     )
     later = pb.KnnRequest(queries=pb.Points(lat=[50.0, -50.0], lon=[10.0, 10.0]))
-    from geonear._wire import messages_to_table
+    from geonear.wire import messages_to_table
 
     found = messages_to_table(stub.KnnStream(iter([first, later])))
     assert _numpy(found, "query_index").tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from geonear._wire import BatchDecoder, WireError, ipc_stream_bytes, points_from_message
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import BatchDecoder, WireError, ipc_stream_bytes, points_from_message
 
 #: Statuses an input may earn: the documented ones. UNKNOWN and INTERNAL mean a bug.
 EXPECTED = {

@@ -17,7 +17,6 @@ import pyarrow as pa
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from geonear._wire import ipc_stream_bytes, table_to_messages
 from geonear.clients.client import Client
 from geonear.clients.errors import ResourceExhausted
 from geonear.loaders.synthetic import uniform_points
@@ -25,6 +24,7 @@ from geonear.service.server import ServerParts, build_server
 from geonear.service.settings import Limits, ServerSettings
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import ipc_stream_bytes, table_to_messages
 
 MIB = 1024 * 1024
 

@@ -25,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from geonear._wire import points_to_message, table_to_messages
 from geonear.clients.client import Client
 from geonear.clients.errors import ResourceExhausted
 from geonear.geometry import EARTH_RADIUS_M, great_circle_m
@@ -43,6 +42,7 @@ from geonear.service.settings import (
 )
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import points_to_message, table_to_messages
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import start_server

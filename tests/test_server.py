@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import geonear
-from geonear._wire import ipc_stream_bytes, messages_to_table, table_to_messages
 from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import create_engine
@@ -28,6 +27,7 @@ from geonear.service.queries.matrix import TILE_BYTES
 from geonear.service.settings import Limits
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import ipc_stream_bytes, messages_to_table, table_to_messages
 
 Code = grpc.StatusCode
 SERVICE = "geonear.v1.GeoNear"

@@ -21,11 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from geonear._wire import table_to_messages
 from geonear.clients.client import Client
 from geonear.service.store import MANIFEST
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import table_to_messages
 
 Code = grpc.StatusCode
 

@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from geonear._wire import points_to_message
 from geonear.clients.client import Client
 from geonear.service.engines.reference import ReferenceEngine
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import points_to_message
 
 
 def _failing_index(points: int, error: Exception):

@@ -38,7 +38,6 @@ from analytics_data import (
 from test_areas import StarRing, star, xyz
 from test_engine_parity import assert_same_neighbours
 
-from geonear._wire import messages_to_table
 from geonear.clients.areas import within_message
 from geonear.clients.cli import main
 from geonear.clients.client import QUERY_CHUNK, Client
@@ -50,6 +49,7 @@ from geonear.service.store import DatasetStore
 from geonear.service.validation import normalise_upload
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import messages_to_table
 
 #: Stars of great-circle edges around the north pole and across 180 degrees.
 AROUND_POLE = star(90.0, 0.0, 20.0, 35.0, k=9, seed=3)

@@ -1,4 +1,4 @@
-"""Arrow and protobuf on the wire, shared by the server and the client.
+"""Arrow and protobuf on the wire, shared by the server, the client and the tools.
 
 Bulk data travels as Arrow IPC inside messages: the serialized schema once, then
 encapsulated record batches, each with its row count. The stream carries no dictionary
