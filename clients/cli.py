@@ -767,6 +767,10 @@ def _server_info(client: Client, args: argparse.Namespace) -> int:
         f"geonear {i.version}: backend {i.backend} on {i.device}; earth radius "
         f"{i.earth_radius_m} m; engines {', '.join(i.engines)}"
     )
+    for e in i.engine_descriptions:
+        _console.print(
+            f"  {e.name} ({e.device_kind}): {', '.join(e.capabilities)}", highlight=False
+        )
     _console.print(i.limits.describe(), highlight=False)
     return 0
 

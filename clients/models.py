@@ -111,11 +111,31 @@ class ServerLimits:
 
 
 @dataclass(frozen=True)
+class EngineDescription:
+    """One engine the server can run: where it runs and the query kinds it answers.
+
+    ``capabilities`` holds ``knn``, ``radius``, ``matrix``, ``kmeans`` and
+    ``spherical-kmeans`` as the engine declares them; joins, counts, filters, areas and
+    DBSCAN need what their query needs (a KNN join needs ``knn``, DBSCAN ``radius``).
+    """
+
+    name: str
+    device_kind: str
+    capabilities: tuple[str, ...]
+    summary: str
+
+    def can(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """The server's version, backend, device, sphere radius, limits and engines.
 
-    ``pool_used_bytes``/``pool_total_bytes`` describe the GPU memory pool (0 on the CPU
-    backend); ``worker_processes`` is how many processes serve the port and
+    ``engines`` names the engines it can run, the one serving queries first, and
+    ``engine_descriptions`` says what each answers (``capabilities`` is the serving
+    engine's). ``pool_used_bytes``/``pool_total_bytes`` describe the GPU memory pool (0 on
+    the CPU backend); ``worker_processes`` is how many processes serve the port and
     ``worker_index`` which one answered.
     """
 
@@ -129,6 +149,20 @@ class ServerInfo:
     pool_total_bytes: int
     worker_processes: int
     worker_index: int
+    engine_descriptions: tuple[EngineDescription, ...] = ()
+
+    @property
+    def engine(self) -> str:
+        """The engine serving queries."""
+        return self.engines[0] if self.engines else ""
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What the serving engine answers (empty from a server too old to say)."""
+        for description in self.engine_descriptions:
+            if description.name == self.engine:
+                return description.capabilities
+        return ()
 
     @classmethod
     def from_message(cls, message: pb.ServerInfoResponse) -> ServerInfo:
@@ -146,4 +180,13 @@ class ServerInfo:
             pool_total_bytes=int(message.pool_total_bytes),
             worker_processes=int(message.worker_processes),
             worker_index=int(message.worker_index),
+            engine_descriptions=tuple(
+                EngineDescription(
+                    name=e.name,
+                    device_kind=e.device_kind,
+                    capabilities=tuple(e.capabilities),
+                    summary=e.summary,
+                )
+                for e in message.engine_descriptions
+            ),
         )

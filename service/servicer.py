@@ -21,7 +21,7 @@ from geonear._version import __version__
 from geonear.service.analytics.areas import Area
 from geonear.service.batching import Batcher
 from geonear.service.calls import CallScope, RequestFeed, in_thread, produced
-from geonear.service.engines import Engine, runnable_engine_names
+from geonear.service.engines import Engine, engine_spec, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
 from geonear.service.queries import dbscan as dbscan_query
@@ -791,6 +791,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     async def ServerInfo(self, request, context):
         used, total = self.engine.memory_pool_bytes()
         limits = self.limits
+        others = [n for n in runnable_engine_names() if n != self.engine.name]
+        specs = [self.engine.spec, *map(engine_spec, others)]
         return pb.ServerInfoResponse(
             version=__version__,
             backend=self.backend,
@@ -807,9 +809,15 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 max_dataset_device_bytes=limits.max_dataset_device_bytes,
                 max_result_rows=limits.result_rows(),
             ),
-            engines=[
-                self.engine.name,
-                *[n for n in runnable_engine_names() if n != self.engine.name],
+            engines=[spec.name for spec in specs],
+            engine_descriptions=[
+                pb.EngineDescription(
+                    name=spec.name,
+                    device_kind=spec.device_kind,
+                    capabilities=sorted(spec.capabilities),
+                    summary=spec.summary,
+                )
+                for spec in specs
             ],
             worker_processes=self.worker_processes,
             worker_index=self.worker_index,

@@ -214,6 +214,7 @@ def test_server_info_command(serve: ServeProcess) -> None:
     assert "backend cpu" in result.stdout
     assert f"earth radius {EARTH_RADIUS_M} m" in result.stdout
     assert "max_k: 10000" in result.stdout
+    assert re.search(r"^  cpu \(cpu\): .*knn.*radius", result.stdout, re.MULTILINE)
 
 
 def test_unknown_dataset_prints_one_line_and_exits_non_zero(serve: ServeProcess) -> None:

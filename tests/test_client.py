@@ -276,6 +276,12 @@ def test_server_info(pts) -> None:
     info = pts.server_info()
     assert info.version == geonear.__version__
     assert info.backend == "cpu" and info.earth_radius_m == EARTH_RADIUS_M
+    # Every engine it can run, the serving one first, with what each answers.
+    assert info.engine == info.engines[0]
+    assert [e.name for e in info.engine_descriptions] == list(info.engines)
+    assert set(info.capabilities) == {"knn", "radius", "matrix", "kmeans", "spherical-kmeans"}
+    assert all(e.device_kind == "cpu" for e in info.engine_descriptions)
+    assert "ServerInfo(version=" in repr(info)
 
 
 # -- errors ----------------------------------------------------------------------------

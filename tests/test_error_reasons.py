@@ -216,6 +216,10 @@ def test_a_query_the_engine_cannot_answer_is_refused_before_the_call(
     server = server_factory(data_dir=None, engine=knn_only)
     searched: list[str] = []
     with Client(server.target) as client:
+        info = client.server_info()
+        assert info.engine == "knn-only" and info.capabilities == ("kmeans", "knn")
+        assert info.engine_descriptions[0].summary == "KNN only"
+        assert not info.engine_descriptions[0].can("radius")
         client.upload("pts", _table())
         index = server.store.get("pts").index
         for method in ("radius", "radius_count"):

@@ -547,7 +547,7 @@ class Limits(_message.Message):
     def __init__(self, max_k: _Optional[int] = ..., max_matrix_cells: _Optional[int] = ..., max_upload_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_query_points: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_dataset_host_bytes: _Optional[int] = ..., max_dataset_device_bytes: _Optional[int] = ..., max_result_rows: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes", "worker_processes", "worker_index")
+    __slots__ = ("version", "backend", "device", "earth_radius_m", "limits", "engines", "pool_used_bytes", "pool_total_bytes", "worker_processes", "worker_index", "engine_descriptions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -558,6 +558,7 @@ class ServerInfoResponse(_message.Message):
     POOL_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DESCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -568,4 +569,17 @@ class ServerInfoResponse(_message.Message):
     pool_total_bytes: int
     worker_processes: int
     worker_index: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., earth_radius_m: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., pool_used_bytes: _Optional[int] = ..., pool_total_bytes: _Optional[int] = ..., worker_processes: _Optional[int] = ..., worker_index: _Optional[int] = ...) -> None: ...
+    engine_descriptions: _containers.RepeatedCompositeFieldContainer[EngineDescription]
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., earth_radius_m: _Optional[float] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engines: _Optional[_Iterable[str]] = ..., pool_used_bytes: _Optional[int] = ..., pool_total_bytes: _Optional[int] = ..., worker_processes: _Optional[int] = ..., worker_index: _Optional[int] = ..., engine_descriptions: _Optional[_Iterable[_Union[EngineDescription, _Mapping]]] = ...) -> None: ...
+
+class EngineDescription(_message.Message):
+    __slots__ = ("name", "device_kind", "capabilities", "summary")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    device_kind: str
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    summary: str
+    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., summary: _Optional[str] = ...) -> None: ...
