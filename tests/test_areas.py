@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from analytics_data import cpu_engine_params
 
 from geonear.loaders.synthetic import uniform_points
 from geonear.service.analytics import (
@@ -29,10 +30,11 @@ from geonear.service.analytics import (
     Bbox,
     InvalidArea,
     SphericalPolygon,
+    area_mask,
     bbox_mask,
     polygon_mask,
 )
-from geonear.service.engines import gpu_available
+from geonear.service.engines import create_engine, gpu_available
 
 # -- the reference --------------------------------------------------------------------
 
@@ -516,3 +518,25 @@ def test_cupy_masks_equal_numpy_masks(name: str) -> None:
         cp.asnumpy(bbox_mask(cp.asarray(lat), cp.asarray(lon), box, xp=cp)),
         bbox_mask(lat, lon, box),
     )
+
+
+# -- every engine's index -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", cpu_engine_params(with_dask=False))
+def test_every_index_finds_the_rows_the_masks_find(engine: str) -> None:
+    """``PointIndex.area_rows`` (a device copy of the degrees on the GPU engine) gives the
+    rows the host masks give, over every point or a subset, for every polygon case and a
+    box across the antimeridian."""
+    case = CASES["holes"]
+    lat, lon = points_near(case, 500, seed=11)
+    index = create_engine(engine).build_index(lat, lon)
+    subset = np.flatnonzero(np.arange(lat.shape[0]) % 3 != 0)
+    for area in [*(c.area() for c in CASES.values()), Bbox(-10.0, 170.0, 10.0, -170.0)]:
+        mask = area_mask(lat, lon, area)
+        rows = index.area_rows(lat, lon, area)
+        assert rows.dtype == np.int64
+        np.testing.assert_array_equal(rows, np.flatnonzero(mask))
+        np.testing.assert_array_equal(index.area_rows(lat, lon, area, subset), subset[mask[subset]])
+    # Every case's points are near its own rings: the holes case has rows inside.
+    assert index.area_rows(lat, lon, case.area()).size > 0

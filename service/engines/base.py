@@ -27,6 +27,7 @@ from geonear.geometry import EARTH_RADIUS_M
 from geonear.service.errors import DeviceLost as DeviceLost
 
 if TYPE_CHECKING:
+    from geonear.service.analytics.areas import Area
     from geonear.service.engines import EngineSpec
 
 MatrixDtype = Literal["float64", "float32"]
@@ -153,6 +154,22 @@ class PointIndex(ABC):
             found = self.radius(lat[start : start + step], lon[start : start + step], radius_m)
             counts[start : start + step] = np.diff(found.offsets)
         return counts
+
+    def area_rows(
+        self, lat: np.ndarray, lon: np.ndarray, area: Area, rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Row numbers of the indexed points inside ``area`` (a box or a spherical
+        polygon), among ``rows`` (None: all), in row order, int64.
+
+        ``lat``/``lon`` are the degrees the index was built from. The default tests them
+        on the host with NumPy; the GPU engine tests its own copy on the device. The
+        answer is the same either way (``geonear.service.analytics.areas``).
+        """
+        from geonear.service.analytics.areas import area_mask
+
+        if rows is None:
+            return np.flatnonzero(area_mask(lat, lon, area)).astype(np.int64, copy=False)
+        return rows[area_mask(lat[rows], lon[rows], area)]
 
     @abstractmethod
     def kmeans(

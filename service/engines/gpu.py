@@ -69,6 +69,7 @@ from geonear.geometry import (
     EARTH_RADIUS_M,
     chord_for_distance,
 )
+from geonear.service.analytics.areas import Area, Bbox, SphericalPolygon, area_mask
 from geonear.service.engines import gpu_memory
 from geonear.service.engines.base import (
     Engine,
@@ -85,6 +86,11 @@ from geonear.service.engines.spherical_kmeans import (
     kmeans_plus_plus,
     lloyd,
     spherical_kmeans,
+)
+
+#: The area tests' CuPy routines compile on a triangle across the antimeridian.
+_WARM_UP_POLYGON = SphericalPolygon(
+    [[(np.array([-10.0, 10.0, 0.0]), np.array([170.0, 175.0, -170.0]))]]
 )
 
 #: Points per leaf of the index: 8 measured fastest on an H200 among 8-32 (10M points,
@@ -380,6 +386,7 @@ class GPUIndex(PointIndex):
         self.rows = cp.empty(n, dtype=cp.int32)
         self._rank: cp.ndarray | None = None
         self._rank_lock = threading.Lock()
+        self._degrees: tuple[cp.ndarray, cp.ndarray] | None = None  # for areas, once asked
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
         self.leaf_keys = cp.empty(counts[0], dtype=cp.uint64)  # each leaf's first key
@@ -457,6 +464,7 @@ class GPUIndex(PointIndex):
     def device_bytes(self) -> int:
         arrays = [self.xyz, self.points, self.rows, self.box_lo, self.box_hi, self.leaf_keys]
         arrays += [] if self._rank is None else [self._rank]
+        arrays += [] if self._degrees is None else list(self._degrees)
         table = 0 if self.table is None else self.table.nbytes
         return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1) + table)
 
@@ -474,6 +482,23 @@ class GPUIndex(PointIndex):
                     _fn("rank_of")((_blocks(n),), (_THREADS,), (self.rows, np.int64(n), rank))
                 self._rank = rank
             return self._rank
+
+    @gpu_memory.out_of_memory_guard("testing points against an area")
+    def area_rows(
+        self, lat: np.ndarray, lon: np.ndarray, area: Area, rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The area's test on the device, over a device copy of the points' degrees made
+        on the first call (16 bytes a point, kept with the index): a box is a few
+        comparisons a point, a polygon's edges are tested against the points in its box
+        only. 10M points against a polygon of 64 edges: see docs/benchmarks.md."""
+        with self._rank_lock:
+            if self._degrees is None:
+                self._degrees = _degrees_device(lat, lon)
+        lat_d, lon_d = self._degrees
+        if rows is None:
+            return _to_host(cp.flatnonzero(area_mask(lat_d, lon_d, area, cp))).astype(np.int64)
+        rows_d = cp.asarray(rows)
+        return rows[_to_host(area_mask(lat_d[rows_d], lon_d[rows_d], area, cp))]
 
     @gpu_memory.out_of_memory_guard("copying a dataset's columns to the GPU")
     def keep_columns(self, table: pa.Table) -> None:
@@ -1009,6 +1034,8 @@ class GPUEngine(Engine):
         index.radius(lat[:2], lon[:2], 1e9)  # long segments: the device sort
         index.kmeans(4, max_iter=2)
         index.kmeans(4, weights=np.ones(lat.shape[0]), max_iter=2)
+        for area in (Bbox(-10.0, 170.0, 10.0, -170.0), _WARM_UP_POLYGON):
+            index.area_rows(lat, lon, area)
         for dtype in ("float32", "float64"):
             self.distance_matrix(lat[:5], lon[:5], lat[:7], lon[:7], dtype=dtype)  # type: ignore[arg-type]
         cp.cuda.Device().synchronize()

@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from geonear.service.analytics.areas import Area, area_mask
+from geonear.service.analytics.areas import Area
 from geonear.service.engines import Engine, Neighbours, PointIndex, RadiusNeighbours
 from geonear.service.errors import InvalidInput
 from geonear.service.settings import physical_memory_bytes
@@ -590,14 +590,12 @@ class FilteredIndexes:
 
 def _rows(dataset: DatasetVersion, checked: CheckedFilter | None, area: Area | None) -> np.ndarray:
     """Rows that ``checked`` selects and ``area`` holds, in row order (at least one set)."""
-    if checked is None:
-        assert area is not None
-        return np.flatnonzero(area_mask(dataset.lat, dataset.lon, area))
-    rows = np.flatnonzero(row_mask(dataset, checked))
+    rows = None if checked is None else np.flatnonzero(row_mask(dataset, checked))
     if area is None:
+        assert rows is not None
         return rows
     # The area tests only the rows the filter kept: a polygon's test costs per point.
-    return rows[area_mask(dataset.lat[rows], dataset.lon[rows], area)]
+    return dataset.index.area_rows(dataset.lat, dataset.lon, area, rows)
 
 
 def selected_rows(

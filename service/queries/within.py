@@ -19,7 +19,6 @@ from geonear.service.analytics.areas import (
     Bbox,
     InvalidArea,
     SphericalPolygon,
-    area_mask,
 )
 from geonear.service.errors import Cancelled, InvalidInput
 from geonear.service.queries.common import (
@@ -73,11 +72,7 @@ def within_query(
     """The rows of ``dataset`` in ``area`` among ``selected`` (None: every row); more
     than ``max_result_rows`` is refused before any column is gathered."""
     names = tuple(check_columns(dataset, columns))
-    lat, lon = dataset.lat, dataset.lon
-    if selected is not None:
-        lat, lon = lat[selected], lon[selected]
-    mask = area_mask(lat, lon, area)
-    rows = np.flatnonzero(mask) if selected is None else selected[mask]
+    rows = dataset.index.area_rows(dataset.lat, dataset.lon, area, selected)
     check_result_rows(
         int(rows.shape[0]),
         limits,
