@@ -997,8 +997,9 @@ def _add_join_columns(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tool_commands(sub: Any) -> None:
-    """Commands whose modules live beside this one: bench, load test, loaders."""
-    from geonear.clients import bench, loadtest
+    """Commands of the packages beside this one: bench, load test, loaders. This module
+    is the only one that imports the bench and the load test (pyproject.toml's contracts)."""
+    from geonear import bench, loadtest
     from geonear.loaders import cli as loaders_cli
 
     commands: tuple[tuple[str, str, Callable[..., None], Callable[..., int]], ...] = (

@@ -18,6 +18,10 @@ variable                    flag                 meaning
 
 The client certificate's variables say CLIENT because ``GEONEAR_TLS_CERT`` and
 ``GEONEAR_TLS_KEY`` are the server's own (``geonear serve`` reads them).
+
+This module is public, unlike the rest of ``geonear.clients``: the load test
+(``geonear.loadtest``), which uses only public APIs, and any other tool that should reach
+a server as the ``geonear`` commands do take their flags and variables from here.
 """
 
 from __future__ import annotations

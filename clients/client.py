@@ -32,6 +32,8 @@ from geonear.clients.query_points import Queries, attach_queries, queries
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import (
+    COMPACT_RADIUS_QUERIES,
+    COMPACT_ROWS,
     compact_to_table,
     messages_to_table,
     points_to_message,
@@ -43,11 +45,6 @@ from geonear.wire import (
 QUERY_CHUNK = 65_536
 #: Result layouts by name (the proto's ResultLayout).
 LAYOUTS: dict[str, pb.ResultLayout] = {"rows": pb.ROWS, "per_query": pb.PER_QUERY}
-#: KNN calls expecting at most this many rows (queries x k), without attribute columns,
-#: use the unary KnnCompact RPC: one message each way, no Arrow (the cheapest per call).
-COMPACT_ROWS = 4096
-#: Radius calls with at most this many queries try RadiusCompact first.
-COMPACT_RADIUS_QUERIES = 16
 _MODES = {"create": pb.CREATE, "replace": pb.REPLACE, "append": pb.APPEND}
 _MESSAGE_BYTES = 64 * 1024 * 1024
 _UNKNOWN_DATASET = re.compile(r"no dataset named '([^']*)'")

@@ -11,12 +11,17 @@ size, and Arrow allocates that size before it can tell the declaration is false 
 of zstd frames inflate to 2 GiB), so a batch whose metadata names a codec is refused
 before its body is touched; gRPC's own compression serves the transport instead. For
 the same reason a batch may not declare more rows than its body can hold.
+
+The protocol's other small facts that more than one side needs live here too: which
+calls the Python client sends compact (``COMPACT_ROWS``, ``COMPACT_RADIUS_QUERIES``), and
+the ``geonear-timing`` trailer's key and parser (``TIMING_KEY``, :func:`parse_timing`).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +32,16 @@ from geonear.v1 import geonear_pb2 as pb
 BATCH_BYTES = 1 << 20
 #: Query sets up to this many points travel inline (repeated double).
 INLINE_POINTS = 4096
+#: KNN calls expecting at most this many rows (queries x k), without attribute columns,
+#: use the unary KnnCompact RPC: one message each way, no Arrow (the cheapest per call).
+#: The Python client's rule, which tools sending what it sends (``geonear loadtest``)
+#: follow too; the server refuses a compact answer only above a much larger limit.
+COMPACT_ROWS = 4096
+#: Radius calls with at most this many queries try RadiusCompact first.
+COMPACT_RADIUS_QUERIES = 16
+#: The trailing-metadata key of a call's stage times, written like HTTP's Server-Timing
+#: header: ``decode;dur=0.41, search;dur=11.9`` (milliseconds; see :func:`parse_timing`).
+TIMING_KEY = "geonear-timing"
 
 
 #: Writes what the wire carries: record batches with uncompressed bodies.
@@ -350,3 +365,16 @@ def points_from_message(points: pb.Points) -> tuple[np.ndarray, np.ndarray]:
     if lat.shape != lon.shape:
         raise WireError(f"lat and lon differ in length: {lat.shape[0]} != {lon.shape[0]}")
     return lat, lon
+
+
+def parse_timing(value: str) -> dict[str, float]:
+    """Stage name -> seconds, from a ``geonear-timing`` value; unknown parts are skipped."""
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, number = param.strip().partition("=")
+            if name and key == "dur":
+                with suppress(ValueError):
+                    out[name] = float(number) / 1e3
+    return out

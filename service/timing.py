@@ -7,21 +7,23 @@ client in the ``geonear-timing`` trailer, written like HTTP's Server-Timing head
     geonear-timing: decode;dur=0.41, search;dur=11.9, assemble;dur=3.2, encode;dur=2.5
 
 (durations in milliseconds, summed over the slices of a streamed call). ``geonear bench
---served`` prints them beside the client's own stages; any gRPC client can read them.
-Timing costs two ``perf_counter`` calls a stage.
+--served`` prints them beside the client's own stages; any gRPC client can read them
+with :func:`geonear.wire.parse_timing`. The key and its parser are part of the wire
+protocol, so they live in :mod:`geonear.wire`; this module times the stages. Timing
+costs two ``perf_counter`` calls a stage.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import TypeVar
 
-T = TypeVar("T")
+# Re-exported: the servicer names the trailer through this module.
+from geonear.wire import TIMING_KEY as TIMING_KEY
 
-#: The trailing-metadata key of a call's stage times.
-TIMING_KEY = "geonear-timing"
+T = TypeVar("T")
 
 
 class StageTimes:
@@ -64,16 +66,3 @@ class StageTimes:
     def header(self) -> str:
         """The trailer's value: ``name;dur=MS`` entries, comma-separated."""
         return ", ".join(f"{name};dur={s * 1e3:.3f}" for name, s in self.seconds.items())
-
-
-def parse_timing(value: str) -> dict[str, float]:
-    """Stage name -> seconds, from a ``geonear-timing`` value; unknown parts are skipped."""
-    out: dict[str, float] = {}
-    for entry in value.split(","):
-        name, _, params = entry.strip().partition(";")
-        for param in params.split(";"):
-            key, _, number = param.strip().partition("=")
-            if name and key == "dur":
-                with suppress(ValueError):
-                    out[name] = float(number) / 1e3
-    return out

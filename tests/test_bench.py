@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from geonear.clients import bench, bench_report
-from geonear.clients.bench import BenchConfig, run_benchmark
+from geonear.bench import command as bench
+from geonear.bench import report as bench_report
+from geonear.bench.command import BenchConfig, run_benchmark
 from geonear.service.engines import ENGINES, EngineSpec, gpu_available
 from geonear.service.engines.base import Neighbours, RadiusNeighbours
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
@@ -269,7 +270,7 @@ def test_geonear_bench_runs_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_importing_bench_does_not_import_cupy() -> None:
-    code = "import sys, geonear.clients.bench; print('cupy' in sys.modules)"
+    code = "import sys, geonear.bench; print('cupy' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
@@ -281,7 +282,7 @@ def test_a_100_column_terminal_gets_a_table_that_fits_with_the_details_below() -
 
     from rich.console import Console
 
-    from geonear.clients import bench_report
+    from geonear.bench import report as bench_report
 
     doc = run_benchmark(
         BenchConfig(op="knn", n=500, queries=50, engines=("cpu", "sklearn", "numpy-brute"))
@@ -448,7 +449,7 @@ def _join_rows(answer: Neighbours) -> tuple[np.ndarray, ...]:
 
 
 def test_the_join_check_catches_wrong_missing_and_misplaced_rows() -> None:
-    from geonear.clients.bench_exactness import knn_exactness, neighbours_from_rows
+    from geonear.bench.exactness import knn_exactness, neighbours_from_rows
     from geonear.loaders.synthetic import uniform_points
 
     lat, lon = uniform_points(400, seed=1)
@@ -469,7 +470,7 @@ def test_the_join_check_catches_wrong_missing_and_misplaced_rows() -> None:
 
 
 def test_the_count_check_allows_the_boundary_millimetre_only() -> None:
-    from geonear.clients.bench_exactness import count_exactness
+    from geonear.bench.exactness import count_exactness
 
     low, high = np.array([3, 5, 0]), np.array([3, 6, 0])
     assert count_exactness(np.array([3, 6, 0]), low, high, 3)[1] is True
@@ -479,8 +480,8 @@ def test_the_count_check_allows_the_boundary_millimetre_only() -> None:
 
 
 def test_the_within_reference_matches_the_polygon_and_catches_wrong_points() -> None:
-    from geonear.clients.bench_analytics import WITHIN_POLYGON
-    from geonear.clients.bench_exactness import within_exactness
+    from geonear.bench.analytics import WITHIN_POLYGON
+    from geonear.bench.exactness import within_exactness
     from geonear.loaders.synthetic import uniform_points
 
     lat, lon = uniform_points(20_000, seed=3)
@@ -502,7 +503,7 @@ def test_the_within_reference_matches_the_polygon_and_catches_wrong_points() -> 
 
 
 def test_the_dbscan_check_takes_relabelled_clusters_and_catches_merged_ones() -> None:
-    from geonear.clients.bench_exactness import dbscan_exactness, label_agreement
+    from geonear.bench.exactness import dbscan_exactness, label_agreement
 
     reference = np.array([0, 0, 0, 1, 1, 1, -1, 2, 2])
     core = np.array([True, True, False, True, True, False, False, True, True])

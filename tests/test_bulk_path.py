@@ -18,10 +18,9 @@ from geonear.clients import client as client_module
 from geonear.clients.client import Client
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service.engines import create_engine, gpu_available
-from geonear.service.timing import TIMING_KEY, parse_timing
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
-from geonear.wire import messages_to_table, points_to_message
+from geonear.wire import TIMING_KEY, messages_to_table, parse_timing, points_to_message
 
 
 def _flat(column: pa.ChunkedArray) -> pa.Array:

@@ -27,9 +27,9 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from geonear.clients.cli import main
 from geonear.clients.client import Client
-from geonear.clients.loadtest import add_loadtest_arguments, run_loadtest
-from geonear.clients.loadtest.results import check_consistent, decode_histograms
 from geonear.loaders.synthetic import uniform_points
+from geonear.loadtest import add_loadtest_arguments, run_loadtest
+from geonear.loadtest.results import check_consistent, decode_histograms
 from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
 from geonear.service.server import EventLoopThread, LoopServer, create_server
 from geonear.service.servicer import GeoNearServicer
@@ -474,7 +474,7 @@ def test_a_run_needs_a_target(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_exports_are_the_command_line_hooks() -> None:
-    import geonear.clients.loadtest as loadtest
+    import geonear.loadtest as loadtest
 
     assert loadtest.__all__ == ["add_loadtest_arguments", "run_loadtest"]
     assert callable(add_loadtest_arguments) and callable(run_loadtest)

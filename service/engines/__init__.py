@@ -36,6 +36,7 @@ from geonear.service.engines.base import (
     PointIndex,
     RadiusNeighbours,
 )
+from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 from geonear.service.errors import EngineUnavailable, Unsupported
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "register_engine",
     "require",
     "runnable_engine_names",
+    "seed_kmeans_plus_plus",
 ]
 
 

@@ -4,7 +4,7 @@ For each engine, in one run on the same data: the engine's own call in this proc
 (what ``geonear bench`` times), then the same query through a server started for it in
 a process of its own (``geonear serve --engine NAME --memory-only`` on a free loopback
 port), asked by the Python client. The server reports where its time went in the
-call's trailing metadata (``geonear-timing``, see ``geonear.service.timing``); the
+call's trailing metadata (``geonear-timing``, see ``geonear.wire.parse_timing``); the
 client side adds what it spent receiving, decoding and converting. The gap between the
 first line and the last is what the service costs.
 
@@ -28,20 +28,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from geonear.clients.bench import (
+from geonear import Client
+from geonear.bench.command import (
     DEFAULT_ENGINES,
     SERVED_ENGINES,
     BenchConfig,
     BenchData,
-    _synchroniser,
     make_data,
+    synchroniser,
 )
-from geonear.clients.client import Client
 from geonear.service.engines import EngineUnavailable, create_engine
-from geonear.service.timing import TIMING_KEY, parse_timing
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
-from geonear.wire import messages_to_table, points_to_message
+from geonear.wire import TIMING_KEY, messages_to_table, parse_timing, points_to_message
 
 #: Seconds a server started for the run gets to listen.
 START_TIMEOUT_S = 120.0
@@ -165,7 +164,7 @@ def bench_served_engine(config: BenchConfig, data: BenchData, engine: str) -> Se
 def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> float:
     """The engine's own call, fastest of the repeats (the index is freed on return)."""
     index = engine.build_index(data.lat, data.lon)
-    sync = _synchroniser(engine)
+    sync = synchroniser(engine)
 
     def call() -> Any:
         sync()

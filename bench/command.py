@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from geonear.clients import bench_report
-from geonear.clients.bench_exactness import EXACTNESS
+from geonear.bench import report
+from geonear.bench.exactness import EXACTNESS
 from geonear.geometry import EARTH_RADIUS_M, angle_between, unit_vectors
 from geonear.service.engines import (
     Engine,
@@ -43,10 +43,10 @@ from geonear.service.engines import (
     create_engine,
     engine_names,
     gpu_available,
+    seed_kmeans_plus_plus,
 )
-from geonear.service.engines.spherical_kmeans import seed_kmeans_plus_plus
 
-#: Server-side analytics: each engine through a server of its own (``bench_analytics``).
+#: Server-side analytics: each engine through a server of its own (``geonear.bench.analytics``).
 ANALYTICS_OPS = ("knn-join", "count-within", "filtered-knn", "dbscan", "within")
 OPS = ("knn", "radius", "matrix", "kmeans", "build", *ANALYTICS_OPS)
 DATA_KINDS = ("uniform", "clustered", "airports", "cities", "cities1000")
@@ -200,7 +200,7 @@ def op_defaults(op: str) -> dict[str, Any]:
     elif op == "dbscan":
         defaults["data"] = "clustered"
     elif op == "within":
-        memory = bench_report.memory_gib() or 0.0
+        memory = report.memory_gib() or 0.0
         defaults["n"] = 10_000_000 if memory >= WITHIN_10M_MEMORY_GIB else 1_000_000
     return defaults
 
@@ -242,7 +242,7 @@ class EngineResult:
 
 def make_data(config: BenchConfig) -> BenchData:
     """The seeded points and queries of ``config.data`` (queries from the same distribution)."""
-    from geonear.loaders.synthetic import clustered_points, uniform_points
+    from geonear.loaders import clustered_points, uniform_points
 
     n_q = query_count(config)
     if config.data in ("uniform", "clustered"):
@@ -256,7 +256,7 @@ def make_data(config: BenchConfig) -> BenchData:
             lon[config.n :],
             f"{config.data}, seed {config.seed}",
         )
-    from geonear.loaders.bundled import load_bundled
+    from geonear.loaders import load_bundled
 
     table = load_bundled(config.data)
     all_lat, all_lon = (table.column(c).to_numpy().astype(np.float64) for c in ("lat", "lon"))
@@ -287,7 +287,7 @@ def reference_queries(config: BenchConfig, n_points: int, n_queries: int) -> int
     return min(n_queries, wanted)
 
 
-def _synchroniser(engine: Any) -> Callable[[], None]:
+def synchroniser(engine: Any) -> Callable[[], None]:
     """What to call before reading the clock: GPU work is timed to its end, not its launch."""
     if getattr(engine, "device_kind", "cpu") != "gpu":
         return lambda: None
@@ -296,7 +296,8 @@ def _synchroniser(engine: Any) -> Callable[[], None]:
     return cupy.cuda.Device().synchronize
 
 
-def _timed(sync: Callable[[], None], call: Callable[[], Any]) -> tuple[float, Any]:
+def timed(sync: Callable[[], None], call: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds ``call`` took, ``sync`` called at both ends, and what it returned."""
     sync()
     start = time.perf_counter()
     out = call()
@@ -401,7 +402,7 @@ def bench_engine(
 ) -> EngineResult:
     """Build, time and check one engine; ``reference`` is the op's exactness reference."""
     row = EngineResult(engine=name, device=getattr(engine, "device_kind", "cpu"))
-    sync = _synchroniser(engine)
+    sync = synchroniser(engine)
     n_queries = data.q_lat.shape[0]
     m = _subset_size(name, config, data.lat.shape[0], n_queries)
     if config.op in ("knn", "radius", "matrix"):
@@ -413,15 +414,15 @@ def bench_engine(
             )
     warm_up = getattr(engine, "warm_up", None)
     if warm_up is not None:
-        row.warm_up_s, _ = _timed(sync, warm_up)
-    row.build_s, index = _timed(sync, lambda: engine.build_index(data.lat, data.lon))
+        row.warm_up_s, _ = timed(sync, warm_up)
+    row.build_s, index = timed(sync, lambda: engine.build_index(data.lat, data.lon))
     call = _operation(engine, index, config, data, m)
     # For --op build the first build is the cold call.
-    row.cold_s, out = (row.build_s, index) if config.op == "build" else _timed(sync, call)
+    row.cold_s, out = (row.build_s, index) if config.op == "build" else timed(sync, call)
     warm = []
     for _ in range(config.repeat):
         out = None  # let the previous answer go before the next one is made
-        seconds, out = _timed(sync, call)
+        seconds, out = timed(sync, call)
         warm.append(seconds)
     row.repeats = len(warm)
     row.throughput = _work(config, data, m, out) / max(statistics.median(warm), 1e-12)
@@ -436,7 +437,7 @@ def bench_engine(
 
 
 def compute_reference(config: BenchConfig, data: BenchData) -> Any:
-    """The op's exactness reference (see ``bench_exactness``); None for build."""
+    """The op's exactness reference (see ``geonear.bench.exactness``); None for build."""
     r = reference_queries(config, data.lat.shape[0], data.q_lat.shape[0])
     if config.op in ("knn", "radius"):
         index = create_engine("numpy-brute").build_index(data.lat, data.lon)
@@ -497,14 +498,14 @@ def run_benchmark(
         Called with a line of text as each engine starts.
 
     The analytics ops (``ANALYTICS_OPS``) are run by
-    :func:`geonear.clients.bench_analytics.run_analytics`, through servers.
+    :func:`geonear.bench.analytics.run_analytics`, through servers.
     """
     if config.op in ANALYTICS_OPS:
         if extra_engines:
             raise ValueError(f"--op {config.op} runs registered engines through servers only")
-        from geonear.clients import bench_analytics
+        from geonear.bench.analytics import run_analytics
 
-        return bench_analytics.run_analytics(config, progress=progress)
+        return run_analytics(config, progress=progress)
     extra = dict(extra_engines or {})
     names = _engine_list(config, extra)
     data = make_data(config)
@@ -527,7 +528,7 @@ def run_benchmark(
         rows.append(row)
         gc.collect()  # free one engine's index before the next builds its own
     _add_speedups(config, rows)
-    return bench_report.results_document(
+    return report.results_document(
         config=asdict(config),
         command=config.command(),
         data={
@@ -687,11 +688,11 @@ def run(args: argparse.Namespace) -> int:
     with status_console.status("benchmarking") as status:
         doc = run_benchmark(config, progress=lambda text: status.update(f"benchmarking {text}"))
     doc["argv"] = list(sys.argv)
-    bench_report.print_table(doc, console)
+    report.print_table(doc, console)
     if getattr(args, "json", None):
-        bench_report.write_json(doc, args.json)
+        report.write_json(doc, args.json)
     if getattr(args, "markdown", None):
-        text = bench_report.markdown(doc)
+        text = report.markdown(doc)
         if markdown_to_stdout:
             sys.stdout.write(text)
         else:
@@ -703,12 +704,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_served(config: BenchConfig) -> int:
     from rich.console import Console
 
-    from geonear.clients import bench_served
+    from geonear.bench.served import print_served, run_served
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     with Console(stderr=True).status("benchmarking") as status:
-        doc = bench_served.run_served(
-            config, progress=lambda text: status.update(f"benchmarking {text} served")
-        )
-    bench_served.print_served(doc, console)
+        doc = run_served(config, progress=lambda text: status.update(f"benchmarking {text} served"))
+    print_served(doc, console)
     return 1 if any(r.status == "error" for r in doc["results"]) else 0

@@ -2,12 +2,12 @@
 areas, each engine through a server of its own, beside peers on the same points.
 
 Each engine of ``--engines`` (default ``cpu,gpu``) runs in a ``geonear serve --engine NAME
---memory-only`` process of its own on a free loopback port (``bench_served.served_engine``,
+--memory-only`` process of its own on a free loopback port (``geonear.bench.served.served_engine``,
 as for ``geonear bench --served``). The Python client (``geonear.connect``) uploads the
 points, then times the op's call as a user makes it: the answer streamed back and
 decoded (an Arrow table, or a ``DbscanOutcome`` with its labels). Peers run in this
 process on the same points. Rows, columns and the results document are ``geonear
-bench``'s (``bench_report``): for an engine "build s" is the upload of the searched
+bench``'s (``geonear.bench.report``): for an engine "build s" is the upload of the searched
 dataset (sent, checked and indexed), for a peer its own structure; "cold" is the first
 call, "warm" the ``--repeat`` calls after it.
 
@@ -49,20 +49,20 @@ import numpy as np
 import pyarrow as pa
 
 import geonear
-from geonear.clients import bench_report
-from geonear.clients.bench import (
+from geonear.bench import report
+from geonear.bench.command import (
     DEFAULT_ENGINES,
     PEER_POINTS,
     SERVED_ENGINES,
     WORK_UNITS,
     BenchConfig,
     EngineResult,
-    _synchroniser,
-    _timed,
     make_data,
     reference_queries,
+    synchroniser,
+    timed,
 )
-from geonear.clients.bench_exactness import (
+from geonear.bench.exactness import (
     TIE_M,
     StarPolygon,
     count_exactness,
@@ -72,7 +72,7 @@ from geonear.clients.bench_exactness import (
     neighbours_from_rows,
     within_exactness,
 )
-from geonear.clients.bench_served import served_engine
+from geonear.bench.served import served_engine
 from geonear.geometry import EARTH_RADIUS_M, unit_vectors
 from geonear.service.engines import (
     EngineUnavailable,
@@ -119,11 +119,11 @@ def _time_calls(
 ) -> Any:
     """The cold call, then ``repeat`` warm ones, into ``row`` (times multiplied by
     ``row.scale``); returns the last answer."""
-    row.cold_s, out = _timed(sync, call)
+    row.cold_s, out = timed(sync, call)
     warm = []
     for _ in range(repeat):
         out = None  # let the previous answer go before the next one is made
-        seconds, out = _timed(sync, call)
+        seconds, out = timed(sync, call)
         warm.append(seconds)
     row.repeats = len(warm)
     row.cold_s *= row.scale
@@ -139,7 +139,7 @@ def _points_table(lat: np.ndarray, lon: np.ndarray, **columns: np.ndarray) -> pa
 
 
 def _upload_s(client: Any, name: str, table: pa.Table) -> float:
-    return _timed(_no_sync, lambda: client.upload(name, table))[0]
+    return timed(_no_sync, lambda: client.upload(name, table))[0]
 
 
 def _import_peer(module: str, package: str) -> Any:
@@ -272,7 +272,7 @@ class KnnJoinBench(AnalyticsBench):
         row, m = self.peer_row("sklearn-balltree", self.n)
         right = np.radians(np.column_stack([d.lat, d.lon]))
         left = np.radians(np.column_stack([d.q_lat[:m], d.q_lon[:m]]))
-        row.build_s, tree = _timed(_no_sync, lambda: neighbors.BallTree(right, metric="haversine"))
+        row.build_s, tree = timed(_no_sync, lambda: neighbors.BallTree(right, metric="haversine"))
         angles, rows = _time_calls(row, lambda: tree.query(left, k=self.width), self.config.repeat)
         out = Neighbours(angles * EARTH_RADIUS_M, rows)
         row.exactness, row.exact = knn_exactness(out, self.reference, data=d)
@@ -292,7 +292,7 @@ class KnnJoinBench(AnalyticsBench):
             left = gpd.GeoDataFrame(geometry=gpd.points_from_xy(d.q_lon[:m], d.q_lat[:m]))
             return left, right
 
-        row.build_s, (left, right) = _timed(_no_sync, frames)
+        row.build_s, (left, right) = timed(_no_sync, frames)
         joined = _time_calls(row, lambda: gpd.sjoin_nearest(left, right), self.config.repeat)
         # One row per left point (the first of equally near ones), in left order.
         nearest = joined[~joined.index.duplicated()].sort_index()["index_right"].to_numpy()
@@ -377,7 +377,7 @@ class CountWithinBench(AnalyticsBench):
         row, m = self.peer_row("sklearn-balltree", self.n)
         right = np.radians(np.column_stack([d.lat, d.lon]))
         left = np.radians(np.column_stack([d.q_lat[:m], d.q_lon[:m]]))
-        row.build_s, tree = _timed(_no_sync, lambda: neighbors.BallTree(right, metric="haversine"))
+        row.build_s, tree = timed(_no_sync, lambda: neighbors.BallTree(right, metric="haversine"))
         angle = self.radius_m / EARTH_RADIUS_M
         counts = _time_calls(
             row, lambda: tree.query_radius(left, angle, count_only=True), self.config.repeat
@@ -446,10 +446,10 @@ class FilteredKnnBench(AnalyticsBench):
         gc.collect()  # the indexes built here go before the server builds its own
 
     def _fastest_build(self, engine: Any, rows: np.ndarray) -> float:
-        sync = _synchroniser(engine)
+        sync = synchroniser(engine)
         lat, lon = self.data.lat[rows], self.data.lon[rows]
         times = [
-            _timed(sync, lambda: engine.build_index(lat, lon))[0]
+            timed(sync, lambda: engine.build_index(lat, lon))[0]
             for _ in range(max(2, self.config.repeat))
         ]
         return min(times)
@@ -847,7 +847,7 @@ def _check_engines(config: BenchConfig) -> tuple[str, ...]:
 def run_analytics(
     config: BenchConfig, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Run an analytics op of ``config``; the results document (``bench_report``'s layout).
+    """Run an analytics op of ``config``; the results document (``geonear.bench.report``'s layout).
 
     Engines named in ``config.engines`` (``DEFAULT_ENGINES``: cpu and gpu) run through
     servers, then the op's peers in this process.
@@ -867,7 +867,7 @@ def run_analytics(
         gc.collect()
     bench.finish(rows)
     _add_speedups(rows, bench.sklearn_peer())
-    return bench_report.results_document(
+    return report.results_document(
         config=asdict(config),
         command=config.command(),
         data=bench.data_doc(),

@@ -33,15 +33,15 @@ from typing import Any
 
 import grpc
 
-from geonear.clients.loadtest.connection import Connection
-from geonear.clients.loadtest.results import (
+from geonear.loadtest.connection import Connection
+from geonear.loadtest.results import (
     WorkerTotals,
     count_error_message,
     encode_histogram,
     new_histogram,
     record_latency,
 )
-from geonear.clients.loadtest.scenarios import RPCS, NotServing, Request
+from geonear.loadtest.scenarios import RPCS, NotServing, Request
 
 #: Seconds between progress messages from a worker.
 PROGRESS_INTERVAL_S = 0.5

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from geonear.geometry import EARTH_RADIUS_M, great_circle_m, unit_vectors
-from geonear.service.engines.base import KMeansResult, Neighbours, RadiusNeighbours
+from geonear.service.engines import KMeansResult, Neighbours, RadiusNeighbours
 
 #: The exactness rule's tolerance, metres.
 TIE_M = 1e-3

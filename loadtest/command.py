@@ -27,15 +27,15 @@ from geonear.clients.cli_options import (
     add_connection_arguments,
     connection_options,
 )
-from geonear.clients.loadtest.connection import Connection
-from geonear.clients.loadtest.results import (
+from geonear.loadtest.connection import Connection
+from geonear.loadtest.results import (
     client_description,
     read_results,
     summarise_run,
     write_results,
 )
-from geonear.clients.loadtest.runner import LoadPlan, LoadTestError, ProgressSink, run_workers
-from geonear.clients.loadtest.scenarios import (
+from geonear.loadtest.runner import LoadPlan, LoadTestError, ProgressSink, run_workers
+from geonear.loadtest.scenarios import (
     SCENARIOS,
     PreparationFailed,
     ScenarioConfig,
@@ -237,7 +237,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from geonear.clients.loadtest.report import print_summary
+    from geonear.loadtest.report import print_summary
 
     runs = read_results(args.results, merge=args.merge)
     print_summary(runs)
@@ -248,7 +248,7 @@ def _report(args: argparse.Namespace) -> int:
 def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     # Imported here, not at the top: every worker process imports this package, and
     # matplotlib would add half a second to each one's start.
-    from geonear.clients.loadtest.report import write_html, write_png
+    from geonear.loadtest.report import write_html, write_png
 
     if args.json:
         write_results(args.json, runs)
@@ -314,7 +314,7 @@ def _run(args: argparse.Namespace) -> int:
     runs = []
     progress: Any = ProgressSink()
     if live:
-        from geonear.clients.loadtest.progress import LiveProgress
+        from geonear.loadtest.progress import LiveProgress
 
         progress = LiveProgress(console)
     with progress if live else contextlib.nullcontext():
@@ -356,7 +356,7 @@ def _run(args: argparse.Namespace) -> int:
             progress.end(run)
             runs.append(run)
     if not args.quiet:
-        from geonear.clients.loadtest.report import print_summary
+        from geonear.loadtest.report import print_summary
 
         print_summary(runs, console)
     _write_outputs(args, runs)

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from geonear.clients.loadtest.results import decode_histograms
+from geonear.loadtest.results import decode_histograms
 
 #: Percentiles drawn on the latency curve, up to 99.999 when the run has the samples.
 _CURVE_NINES = 5

@@ -2,7 +2,11 @@
 
 Closed loop (``--concurrency``) or open loop (``--rate``, latency from the scheduled
 send time), from several worker processes, with latencies in HdrHistogram; results as
-JSON (mergeable), a terminal table, an HTML page with plots, and a PNG. Modules:
+JSON (mergeable), a terminal table, an HTML page with plots, and a PNG.
+
+Built on the public API only (``geonear.v1``, ``geonear.wire``, ``geonear.loaders`` and
+the shared connection options of ``geonear.clients.cli_options``), as any tool outside
+this package could be; the import contracts in pyproject.toml hold it to that. Modules:
 
 - :mod:`.scenarios`: what is sent (ping, knn, radius, matrix, kmeans, upload, mixed).
 - :mod:`.runner`: worker processes, closed and open loops.
@@ -14,6 +18,6 @@ JSON (mergeable), a terminal table, an HTML page with plots, and a PNG. Modules:
 
 from __future__ import annotations
 
-from geonear.clients.loadtest.command import add_loadtest_arguments, run_loadtest
+from geonear.loadtest.command import add_loadtest_arguments, run_loadtest
 
 __all__ = ["add_loadtest_arguments", "run_loadtest"]

@@ -14,8 +14,8 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from geonear.clients.loadtest.results import decode_histograms, latency_summary_ms
-from geonear.clients.loadtest.runner import LoadPlan, ProgressSink
+from geonear.loadtest.results import decode_histograms, latency_summary_ms
+from geonear.loadtest.runner import LoadPlan, ProgressSink
 
 #: Seconds of recent progress the live rate and latency are computed over.
 _RECENT_S = 1.0

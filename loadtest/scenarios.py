@@ -35,11 +35,15 @@ import numpy as np
 import pyarrow as pa
 from grpc_health.v1 import health_pb2
 
-from geonear.clients.client import COMPACT_RADIUS_QUERIES, COMPACT_ROWS
-from geonear.clients.loadtest.connection import Connection
-from geonear.loaders.synthetic import uniform_points
+from geonear.loaders import uniform_points
+from geonear.loadtest.connection import Connection
 from geonear.v1 import geonear_pb2 as pb
-from geonear.wire import points_to_message, table_to_messages
+from geonear.wire import (
+    COMPACT_RADIUS_QUERIES,
+    COMPACT_ROWS,
+    points_to_message,
+    table_to_messages,
+)
 
 SCENARIOS = ("knn", "radius", "matrix", "kmeans", "upload", "mixed", "ping")
 #: Scenarios that query a dataset (and so may need ``--create-dataset``).
