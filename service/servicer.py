@@ -26,7 +26,7 @@ from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
 from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
-from geonear.service.queries.common import NeighbourGrid, NeighbourRows
+from geonear.service.queries.common import NeighbourGrid, NeighbourRows, label_tables
 from geonear.service.queries.counts import count_query, count_tables
 from geonear.service.queries.filters import (
     OPS,
@@ -551,27 +551,31 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     def _matrix_tiles(
         self, request: pb.DistanceMatrixRequest, scope: CallScope, timing: StageTimes
     ) -> Iterator[pb.MatrixTile]:
-        lat1, lon1 = points_from_message(request.queries)
-        lat2, lon2 = self._matrix_columns(request)
-        dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
-        if dtype is None:
-            raise InvalidInput(f"unknown matrix dtype {request.dtype}")
-        for tile in distance_tiles(
+        with timing.stage("decode"):
+            lat1, lon1 = points_from_message(request.queries)
+            lat2, lon2 = self._matrix_columns(request)
+            dtype: MatrixDtype | None = _DTYPES.get(request.dtype)
+            if dtype is None:
+                raise InvalidInput(f"unknown matrix dtype {request.dtype}")
+        tiles = distance_tiles(
             self.engine, lat1, lon1, lat2, lon2, dtype, self.limits, is_active=scope.is_active
-        ):
-            yield pb.MatrixTile(
-                row_start=tile.row_start,
-                col_start=tile.col_start,
-                row_count=tile.values.shape[0],
-                col_count=tile.values.shape[1],
-                values=np.ascontiguousarray(
-                    tile.values, dtype=f"<{dtype[0]}{tile.values.itemsize}"
-                ).tobytes(),
-                total_rows=lat1.shape[0],
-                total_cols=lat2.shape[0],
-                earth_radius_m=self.engine.earth_radius_m,
-                dtype=request.dtype or pb.FLOAT64,
-            )
+        )
+        for tile in timing.timed(tiles, "search"):
+            with timing.stage("encode"):
+                message = pb.MatrixTile(
+                    row_start=tile.row_start,
+                    col_start=tile.col_start,
+                    row_count=tile.values.shape[0],
+                    col_count=tile.values.shape[1],
+                    values=np.ascontiguousarray(
+                        tile.values, dtype=f"<{dtype[0]}{tile.values.itemsize}"
+                    ).tobytes(),
+                    total_rows=lat1.shape[0],
+                    total_cols=lat2.shape[0],
+                    earth_radius_m=self.engine.earth_radius_m,
+                    dtype=request.dtype or pb.FLOAT64,
+                )
+            yield message
 
     def _matrix_columns(self, request: pb.DistanceMatrixRequest) -> tuple[np.ndarray, np.ndarray]:
         if not request.dataset:
@@ -618,20 +622,23 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     def _kmeans(
         self, request: pb.KMeansRequest, scope: CallScope, timing: StageTimes
     ) -> Iterator[pb.KMeansResponse]:
-        dataset = self.store.get(request.dataset)
-        answer = kmeans_query.kmeans(
-            dataset,
-            int(request.k),
-            seed=int(request.seed),
-            n_init=request.n_init or 1,
-            max_iter=request.max_iter or 100,
-            tol=request.tol or 1e-6,
-            weight_column=request.weight_column,
-            return_labels=request.return_labels,
-            points=self._selection(dataset, request),
-            limits=self.limits,
-            should_stop=lambda: not scope.is_active(),
-        )
+        with timing.stage("decode"):
+            dataset = self.store.get(request.dataset)
+            points = self._selection(dataset, request)
+        with timing.stage("search"):
+            answer = kmeans_query.kmeans(
+                dataset,
+                int(request.k),
+                seed=int(request.seed),
+                n_init=request.n_init or 1,
+                max_iter=request.max_iter or 100,
+                tol=request.tol or 1e-6,
+                weight_column=request.weight_column,
+                return_labels=request.return_labels,
+                points=points,
+                limits=self.limits,
+                should_stop=lambda: not scope.is_active(),
+            )
         result = answer.result
         # k <= max_k keeps the centroid table small enough for one message.
         (centroids,) = table_to_messages(kmeans_query.centroid_table(result), batch_bytes=1 << 62)
@@ -645,7 +652,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             )
         )
         if request.return_labels:
-            for message in table_to_messages(kmeans_query.label_table(answer)):
+            labels = label_tables(dataset, answer.rows, result.labels, pa.int32(), scope.is_active)
+            for message in _encoded(timing.timed(labels, "assemble"), timing):
                 yield pb.KMeansResponse(labels=message)
 
     async def CountWithin(self, request, context):
@@ -745,17 +753,20 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
     def _dbscan(
         self, request: pb.DbscanRequest, scope: CallScope, timing: StageTimes
     ) -> Iterator[pb.DbscanResponse]:
-        dataset = self.store.get(request.dataset)
-        answer = dbscan_query.dbscan(
-            dataset,
-            float(request.eps_m),
-            int(request.min_samples),
-            points=self._selection(dataset, request),
-            return_labels=request.return_labels,
-            earth_radius_m=self.engine.earth_radius_m,
-            limits=self.limits,
-            should_stop=lambda: not scope.is_active(),
-        )
+        with timing.stage("decode"):
+            dataset = self.store.get(request.dataset)
+            points = self._selection(dataset, request)
+        with timing.stage("search"):
+            answer = dbscan_query.dbscan(
+                dataset,
+                float(request.eps_m),
+                int(request.min_samples),
+                points=points,
+                return_labels=request.return_labels,
+                earth_radius_m=self.engine.earth_radius_m,
+                limits=self.limits,
+                should_stop=lambda: not scope.is_active(),
+            )
         result = answer.result
         yield pb.DbscanResponse(
             summary=pb.DbscanSummary(
@@ -767,7 +778,8 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             )
         )
         if request.return_labels:
-            for message in table_to_messages(dbscan_query.label_table(answer)):
+            labels = label_tables(dataset, answer.rows, result.labels, pa.int64(), scope.is_active)
+            for message in _encoded(timing.timed(labels, "assemble"), timing):
                 yield pb.DbscanResponse(labels=message)
 
     async def Within(self, request, context):

@@ -16,8 +16,13 @@ import pytest
 
 from geonear.clients import client as client_module
 from geonear.clients.client import Client
+from geonear.geometry import great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service import servicer as servicer_module
 from geonear.service.engines import create_engine, gpu_available
+from geonear.service.engines.cpu import CPUEngine
+from geonear.service.queries import common
+from geonear.service.queries import matrix as matrix_module
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import TIMING_KEY, messages_to_table, parse_timing, points_to_message
@@ -166,6 +171,77 @@ def test_a_streamed_answer_says_where_its_time_went(server_factory):
     assert set(stages) == {"decode", "search", "assemble", "encode"}
     assert all(seconds >= 0 for seconds in stages.values())
     assert stages["search"] > 0
+
+
+def test_labels_go_out_in_slices_and_say_where_their_time_went(server_factory, monkeypatch):
+    """KMeans and DBSCAN labels are made a slice of rows at a time (ids in row order),
+    each call with its stages in the timing trailer."""
+    monkeypatch.setattr(common, "SLICE_ROWS", 1000)
+    server = server_factory()
+    lat, lon = clustered_points(3500, seed=4)
+    ids = np.arange(3500) * 7
+    with Client(server.target) as client:
+        client.upload("labelled", pa.table({"id": ids, "lat": lat, "lon": lon}))
+    slices: list[int] = []
+    original = common.label_tables
+
+    def counted(*args, **kwargs):
+        for table in original(*args, **kwargs):
+            slices.append(table.num_rows)
+            yield table
+
+    monkeypatch.setattr(servicer_module, "label_tables", counted)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GeoNearStub(channel)
+        kmeans = pb.KMeansRequest(dataset="labelled", k=5, return_labels=True)
+        dbscan = pb.DbscanRequest(
+            dataset="labelled", eps_m=50_000, min_samples=5, return_labels=True
+        )
+        for call in (stub.KMeans(kmeans), stub.Dbscan(dbscan)):
+            messages = list(call)
+            labels = messages_to_table(m.labels for m in messages[1:])
+            np.testing.assert_array_equal(labels.column("id").to_numpy(), ids)
+            stages = parse_timing(dict(call.trailing_metadata())[TIMING_KEY])
+            assert set(stages) == {"decode", "search", "assemble", "encode"}
+    assert slices == [1000, 1000, 1000, 500] * 2
+
+
+def test_a_matrix_is_computed_in_blocks_and_sent_in_tiles(server_factory, monkeypatch):
+    """One engine call per block of whole tile rows (not one a tile), tiles of at most
+    TILE_BYTES in row-major order, the same values, and the stages in the trailer."""
+    monkeypatch.setattr(matrix_module, "TILE_BYTES", 8 * 1000)
+    monkeypatch.setattr(matrix_module, "BLOCK_BYTES", 8 * 1000 * 10)
+    calls: list[tuple[int, int]] = []
+    original = CPUEngine.distance_matrix
+
+    def spied(self, lat1, lon1, lat2, lon2, dtype="float64"):
+        calls.append((len(lat1), len(lat2)))
+        return original(self, lat1, lon1, lat2, lon2, dtype)
+
+    monkeypatch.setattr(CPUEngine, "distance_matrix", spied)
+    server = server_factory()
+    rows, cols = uniform_points(95, seed=5), uniform_points(2500, seed=6)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.GeoNearStub(channel)
+        request = pb.DistanceMatrixRequest(
+            queries=points_to_message(*rows), targets=points_to_message(*cols)
+        )
+        call = stub.DistanceMatrix(request)
+        tiles = list(call)
+        stages = parse_timing(dict(call.trailing_metadata())[TIMING_KEY])
+    # A tile is 1 row x 1,000 columns; a block is 10 tiles: 4 rows of 2,500 columns.
+    assert calls == [(4, 2500)] * 23 + [(3, 2500)]
+    assert len(tiles) == 95 * 3 and all(len(t.values) <= 8 * 1000 for t in tiles)
+    starts = [(t.row_start, t.col_start) for t in tiles]
+    assert starts == sorted(starts)
+    got = np.zeros((95, 2500))
+    for t in tiles:
+        got[t.row_start : t.row_start + t.row_count, t.col_start : t.col_start + t.col_count] = (
+            np.frombuffer(t.values, dtype="<f8").reshape(t.row_count, t.col_count)
+        )
+    expected = great_circle_m(rows[0][:, None], rows[1][:, None], cols[0][None], cols[1][None])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-3)
+    assert set(stages) == {"decode", "search", "encode"}
 
 
 def test_an_unknown_layout_is_refused(points_client):

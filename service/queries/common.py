@@ -10,14 +10,20 @@ is bounded by its slice, not by its answer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from geonear.service.batching import Batcher
-from geonear.service.errors import ColumnNotFound, InvalidInput, LimitExceeded, ResultTooLarge
+from geonear.service.errors import (
+    Cancelled,
+    ColumnNotFound,
+    InvalidInput,
+    LimitExceeded,
+    ResultTooLarge,
+)
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 from geonear.service.validation import RESERVED, check_coordinates
@@ -138,6 +144,27 @@ def take_columns(
         for name in rest:
             taken[name] = dataset.table.column(name).take(at)
     return taken
+
+
+def label_tables(
+    dataset: DatasetVersion,
+    rows: np.ndarray | None,
+    labels: np.ndarray,
+    label_type: pa.DataType,
+    is_active: Callable[[], bool] = lambda: True,
+) -> Iterator[pa.Table]:
+    """``id`` and ``cluster`` of each clustered point (dataset ``rows``, None: every row),
+    in row order, SLICE_ROWS rows a table: k-means and DBSCAN labels."""
+    n = int(labels.shape[0])
+    for start in range(0, max(1, n), SLICE_ROWS):
+        if not is_active():
+            raise Cancelled("the call was cancelled; sending the labels stopped")
+        stop = min(n, start + SLICE_ROWS)
+        if rows is None:  # a slice of the id column, no copy
+            ids = dataset.table.column("id").slice(start, stop - start)
+        else:
+            ids = take_columns(dataset, ("id",), rows[start:stop])["id"]
+        yield pa.table({"id": ids, "cluster": pa.array(labels[start:stop], label_type)})
 
 
 @dataclass(frozen=True)

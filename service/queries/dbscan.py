@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from geonear.service.analytics.dbscan import (
     DbscanResult,
@@ -97,11 +96,3 @@ def dbscan(
     except DbscanStopped as exc:
         raise Cancelled(str(exc)) from exc
     return DbscanAnswer(dataset, rows, result)
-
-
-def label_table(answer: DbscanAnswer) -> pa.Table:
-    """id and cluster (int64, -1 for noise) of each clustered point, in row order."""
-    ids = answer.dataset.table.column("id")
-    if answer.rows is not None:
-        ids = ids.take(pa.array(answer.rows, type=pa.int64()))
-    return pa.table({"id": ids, "cluster": pa.array(answer.result.labels, pa.int64())})

@@ -108,11 +108,3 @@ def centroid_table(result: KMeansResult) -> pa.Table:
             "size": pa.array(result.sizes, pa.int64()),
         }
     )
-
-
-def label_table(answer: KMeansAnswer) -> pa.Table:
-    """id and cluster (int32) of each clustered point, in row order."""
-    ids = answer.dataset.table.column("id")
-    if answer.rows is not None:
-        ids = ids.take(pa.array(answer.rows, type=pa.int64()))
-    return pa.table({"id": ids, "cluster": pa.array(answer.result.labels, pa.int32())})

@@ -16,6 +16,9 @@ from geonear.service.validation import check_coordinates
 
 #: Bytes of one tile on the wire: well under the message limit.
 TILE_BYTES = 2 << 20
+#: Bytes one engine call computes, cut into tiles to send: a device engine pays a fixed
+#: cost a call (launch, output buffer, copy back), which a 2 MB tile pays once per 2 MB.
+BLOCK_BYTES = 32 * TILE_BYTES
 
 
 @dataclass(frozen=True)
@@ -46,26 +49,38 @@ def distance_tiles(
     limits: Limits,
     is_active: Callable[[], bool] = lambda: True,
 ) -> Iterator[Tile]:
-    """Tiles covering the (len(lat1) x len(lat2)) matrix once, row-major tile order.
+    """Tiles covering the (len(lat1) x len(lat2)) matrix once, row-major tile order,
+    computed ``BLOCK_BYTES`` at a time.
 
-    ``is_active`` is checked between tiles: when the caller is gone, work stops.
+    ``is_active`` is checked between blocks: when the caller is gone, work stops.
     """
     require(engine.name, Capability.MATRIX, "a distance matrix")
     check_queries(lat1, lon1, limits)
     check_coordinates(lat2, lon2, "matrix columns")
     check_matrix(lat1.shape[0], lat2.shape[0], limits)
     itemsize = np.dtype(dtype).itemsize
-    cols_per_tile = max(1, min(lat2.shape[0], TILE_BYTES // itemsize))
+    n_rows, n_cols = int(lat1.shape[0]), int(lat2.shape[0])
+    cols_per_tile = max(1, min(n_cols, TILE_BYTES // itemsize))
     rows_per_tile = max(1, TILE_BYTES // (itemsize * cols_per_tile))
-    for r in range(0, lat1.shape[0], rows_per_tile):
-        for c in range(0, lat2.shape[0], cols_per_tile):
+    row_bytes = rows_per_tile * n_cols * itemsize  # one row of tiles
+    if row_bytes <= BLOCK_BYTES:  # a block: as many whole rows of tiles as fit
+        block_rows = rows_per_tile * (BLOCK_BYTES // max(1, row_bytes))
+        block_cols = max(1, n_cols)
+    else:
+        block_rows, block_cols = rows_per_tile, cols_per_tile
+    for r in range(0, n_rows, block_rows):
+        for c in range(0, n_cols, block_cols):
             if not is_active():
                 raise Cancelled("the distance matrix call was cancelled")
-            values = engine.distance_matrix(
-                lat1[r : r + rows_per_tile],
-                lon1[r : r + rows_per_tile],
-                lat2[c : c + cols_per_tile],
-                lon2[c : c + cols_per_tile],
+            block = engine.distance_matrix(
+                lat1[r : r + block_rows],
+                lon1[r : r + block_rows],
+                lat2[c : c + block_cols],
+                lon2[c : c + block_cols],
                 dtype,
             )
-            yield Tile(r, c, values)
+            # Cut in row-major tile order (a block of whole rows keeps the matrix's).
+            for tr in range(0, block.shape[0], rows_per_tile):
+                for tc in range(0, block.shape[1], cols_per_tile):
+                    values = block[tr : tr + rows_per_tile, tc : tc + cols_per_tile]
+                    yield Tile(r + tr, c + tc, values)
