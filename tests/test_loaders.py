@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -795,3 +796,12 @@ def test_analyst_notebook_runs_headless(tmp_path: Path) -> None:
     text = "".join(o.get("text", "") for o in outputs)
     assert "rows into airports" in text
     assert "id <- row numbers" in text
+    # The sections after k-means: the join, DBSCAN and the areas, with their maps.
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3
+    assert "34006 cities joined to their nearest airport" in text
+    dbscan = re.search(r"(\d+) DBSCAN clusters, (\d+) noise points of (\d+) cities", text)
+    assert dbscan, text
+    n_clusters, n_noise, n_points = map(int, dbscan.groups())
+    assert n_clusters > 0 and n_noise < n_points
+    assert re.search(r"\b[1-9]\d* cities in the box across the antimeridian", text)
+    assert re.search(r"\b[1-9]\d* cities in the polygon", text)
