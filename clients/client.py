@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from geonear.allocator import tune_allocator
 from geonear.clients.areas import set_area, within_message
 from geonear.clients.cli_options import DEFAULT_TARGET
 from geonear.clients.errors import GeoNearError, ResourceExhausted, from_rpc_error
@@ -250,6 +251,7 @@ class Client:
         server_name: str | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
+        tune_allocator("client")
         self.target = target
         self.timeout_s = timeout_s
         self._secure = bool(tls or tls_ca is not None or tls_cert is not None)

@@ -38,10 +38,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from geonear.allocator import tune_allocator
 from geonear.service.admission import Admission
 from geonear.service.auth import TokenCheck, load_tokens
 from geonear.service.engines import Engine, EngineUnavailable, create_engine, gpu_available
-from geonear.service.host_memory import tune_allocator
 from geonear.service.interceptor import ServerInterceptor
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
@@ -234,6 +234,7 @@ def build_server(
     is (index, count) for one of several processes sharing the port (SO_REUSEPORT):
     its datasets are read-only and the data directory is left as it is.
     """
+    tune_allocator("server")
     tokens = TokenCheck(load_tokens(settings.auth_tokens)) if settings.auth_tokens else None
     credentials = server_credentials(settings)
     if engine is None:
@@ -385,7 +386,7 @@ def serve(
 
         serve_processes(settings)
         return
-    tune_allocator()
+    tune_allocator("server")
     parts = build_server(settings, engine, worker)
     parts.server.start()
     warning = exposure_warning(settings)
