@@ -376,3 +376,26 @@ def test_error_classes_carry_their_code() -> None:
     assert error.message == "no dataset named 'x'"
     assert str(error) == "NOT_FOUND: no dataset named 'x'"
     assert geonear.GeoNearError("boom").code == grpc.StatusCode.UNKNOWN
+
+
+def test_neighbours_come_with_their_coordinates_when_asked(pts) -> None:
+    """``lat``/``lon`` among ``columns`` give each neighbour's own coordinates, in both
+    layouts and for radius; ``id`` is refused (always returned)."""
+    info = pts.info("pts")
+    assert "lat" in info.column_names
+    near = pts.knn("pts", [10.0, -20.0], [20.0, 30.0], k=3, columns=["lat", "lon"])
+    points = pts.within("pts", bbox=(-90.0, -180.0, 90.0, 180.0)).set_index("id")
+    for column in ("lat", "lon"):
+        np.testing.assert_array_equal(
+            near[column].to_numpy(), points.loc[near["id"], column].to_numpy()
+        )
+    wide = pts.knn("pts", [10.0], [20.0], k=3, columns=["lat"], layout="per_query", as_arrow=True)
+    assert wide.column("lat").combine_chunks().flatten().to_pylist() == list(near["lat"][:3])
+    around = pts.radius("pts", 10.0, 20.0, radius_m=5e6, columns=["lon"])
+    np.testing.assert_array_equal(
+        around["lon"].to_numpy(), points.loc[around["id"], "lon"].to_numpy()
+    )
+    with pytest.raises(geonear.InvalidArgument, match="always returned"):
+        pts.knn("pts", 0.0, 0.0, k=1, columns=["id"])
+    with pytest.raises(geonear.InvalidArgument, match="always returned"):
+        pts.within("pts", bbox=(0.0, 0.0, 1.0, 1.0), columns=["lat"])

@@ -746,7 +746,7 @@ BAD_INPUTS: dict[
     ),
     "asking for a stored column as an attribute": (
         Code.INVALID_ARGUMENT,
-        lambda s: _knn(s, columns=["lat"]),
+        lambda s: _knn(s, columns=["id"]),
         ("always returned",),
     ),
     "delete with the wrong id type": (

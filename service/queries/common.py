@@ -102,8 +102,12 @@ def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
     names = dataset.table.column_names
     out = []
     for name in columns:
-        if name in RESERVED or name in ("query_index", "rank", "distance_m"):
-            raise InvalidInput(f"column {name!r} is always returned; ask only for attributes")
+        if name in ("id", "query_index", "rank", "distance_m"):
+            raise InvalidInput(
+                f"column {name!r} is always returned; ask for attributes, lat or lon"
+            )
+        if name in out:
+            raise InvalidInput(f"column {name!r} is asked for twice")
         if name not in names:
             raise ColumnNotFound(
                 f"dataset {dataset.name!r} has no column {name!r}; it has "
@@ -135,6 +139,9 @@ def take_columns(
     ids = dataset.int_ids
     if "id" in names and ids is not None:
         taken["id"] = pa.array(ids[rows], type=pa.int64())
+    for name, degrees in (("lat", dataset.lat), ("lon", dataset.lon)):
+        if name in names:
+            taken[name] = pa.array(degrees[rows], type=pa.float64())
     wanted = [name for name in names if name not in taken]
     if wanted:
         taken.update(dataset.index.take_columns(wanted, rows))

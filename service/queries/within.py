@@ -71,6 +71,9 @@ def within_query(
 ) -> WithinQuery:
     """The rows of ``dataset`` in ``area`` among ``selected`` (None: every row); more
     than ``max_result_rows`` is refused before any column is gathered."""
+    returned = [name for name in columns if name in ("lat", "lon")]
+    if returned:
+        raise InvalidInput(f"column {returned[0]!r} is always returned; ask only for attributes")
     names = tuple(check_columns(dataset, columns))
     rows = dataset.index.area_rows(dataset.lat, dataset.lon, area, selected)
     check_result_rows(
@@ -94,14 +97,5 @@ def within_tables(
         if not is_active():
             raise Cancelled("the call was cancelled; sending the points stopped")
         rows = query.rows[start : start + SLICE_ROWS]
-        taken = _take(query.dataset, names, rows)
+        taken = take_columns(query.dataset, names, rows)
         yield pa.table({name: taken[name] for name in names}).replace_schema_metadata(metadata)
-
-
-def _take(
-    dataset: DatasetVersion, names: Sequence[str], rows: np.ndarray
-) -> dict[str, pa.Array | pa.ChunkedArray]:
-    taken = take_columns(dataset, [n for n in names if n not in ("lat", "lon")], rows)
-    taken["lat"] = pa.array(dataset.lat[rows], type=pa.float64())
-    taken["lon"] = pa.array(dataset.lon[rows], type=pa.float64())
-    return taken
