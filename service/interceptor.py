@@ -79,7 +79,7 @@ from geonear.service.errors import (
 from geonear.service.lifecycle import Lifecycle
 from geonear.service.metrics import Metrics
 from geonear.v1 import geonear_pb2 as pb
-from geonear.wire import WireError
+from geonear.wire import EncodedArrowData, WireError
 
 request_log = logging.getLogger("geonear.requests")
 error_log = logging.getLogger("geonear.errors")
@@ -89,6 +89,7 @@ OPEN_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 _ROWS: dict[type, Callable[[Any], int]] = {
     pb.ArrowData: lambda m: m.row_count,
+    EncodedArrowData: lambda m: m.row_count,
     pb.CompactNeighbours: lambda m: len(m.distance_m),
     pb.MatrixTile: lambda m: m.row_count * m.col_count,
     pb.KMeansResponse: lambda m: m.labels.row_count,

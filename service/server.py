@@ -50,6 +50,7 @@ from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import serialized
 
 log = logging.getLogger("geonear.server")
 
@@ -225,6 +226,34 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
+class _CaughtHandlers:
+    """Stands in for a server while the generated code registers its method handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_geonear_service(servicer: GeoNearServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, each response serializer ``geonear.wire.serialized``:
+    an ArrowData stream's messages may come encoded already (``EncodedArrowData``)."""
+    caught = _CaughtHandlers()
+    pb_grpc.add_GeoNearServicer_to_server(servicer, caught)
+    handlers = {
+        name: handler._replace(response_serializer=serialized)  # type: ignore[attr-defined]
+        for name, handler in caught.handlers.items()
+    }
+    generic = grpc.method_handlers_generic_handler(caught.service, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(caught.service, handlers)
+
+
 def build_server(
     settings: ServerSettings, engine: Engine | None = None, worker: tuple[int, int] | None = None
 ) -> ServerParts:
@@ -291,7 +320,7 @@ def build_server(
 
     server = LoopServer(loop, loop.run(make()), pool)
     servicer = GeoNearServicer(store, settings, backend, worker or (0, 1))
-    pb_grpc.add_GeoNearServicer_to_server(servicer, server.aio)
+    add_geonear_service(servicer, server.aio)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server.aio)
     reflection.enable_server_reflection(
         (

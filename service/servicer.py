@@ -71,8 +71,10 @@ from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import (
     BatchDecoder,
+    EncodedArrowData,
     points_from_message,
     table_to_messages,
+    tables_to_encoded,
     tables_to_messages,
 )
 
@@ -215,8 +217,14 @@ def _selects(message: Any) -> bool:
     return message.HasField("where") or message.HasField("within")
 
 
-def _encoded(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
-    """``tables`` as one Arrow stream, each message's encoding timed."""
+def _encoded(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[EncodedArrowData]:
+    """``tables`` as one Arrow stream of ArrowData messages in their wire format (a
+    response stream of ArrowData), each message's encoding timed."""
+    return timing.timed(tables_to_encoded(tables), "encode", nested=True)
+
+
+def _label_messages(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
+    """``tables`` as ArrowData messages to nest in KMeans and DBSCAN responses, timed."""
     return timing.timed(tables_to_messages(tables), "encode", nested=True)
 
 
@@ -475,7 +483,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         answers: Callable[..., Any],
         scope: CallScope,
         timing: StageTimes,
-    ) -> Iterator[pb.ArrowData]:
+    ) -> Iterator[EncodedArrowData]:
         """One Arrow stream answering every request message's query points in order.
 
         The first message is the whole request; later ones (the streaming RPCs) carry
@@ -653,7 +661,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         )
         if request.return_labels:
             labels = label_tables(dataset, answer.rows, result.labels, pa.int32(), scope.is_active)
-            for message in _encoded(timing.timed(labels, "assemble"), timing):
+            for message in _label_messages(timing.timed(labels, "assemble"), timing):
                 yield pb.KMeansResponse(labels=message)
 
     async def CountWithin(self, request, context):
@@ -662,7 +670,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     def _counts(
         self, request: pb.CountWithinRequest, scope: CallScope, timing: StageTimes
-    ) -> Iterator[pb.ArrowData]:
+    ) -> Iterator[EncodedArrowData]:
         with timing.stage("decode"):
             dataset = self.store.get(request.dataset)
             if bool(request.left_dataset) == request.HasField("queries"):
@@ -719,7 +727,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         slices: Callable[..., Iterator[JoinSlice]],
         scope: CallScope,
         timing: StageTimes,
-    ) -> Iterator[pb.ArrowData]:
+    ) -> Iterator[EncodedArrowData]:
         layout = _LAYOUTS.get(request.layout)
         if layout is None:
             raise InvalidInput(f"unknown result layout {request.layout}")
@@ -779,7 +787,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         )
         if request.return_labels:
             labels = label_tables(dataset, answer.rows, result.labels, pa.int64(), scope.is_active)
-            for message in _encoded(timing.timed(labels, "assemble"), timing):
+            for message in _label_messages(timing.timed(labels, "assemble"), timing):
                 yield pb.DbscanResponse(labels=message)
 
     async def Within(self, request, context):
@@ -788,7 +796,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
 
     def _within(
         self, request: pb.WithinRequest, scope: CallScope, timing: StageTimes
-    ) -> Iterator[pb.ArrowData]:
+    ) -> Iterator[EncodedArrowData]:
         with timing.stage("decode"):
             dataset = self.store.get(request.dataset)
             area = _area(request, "area")

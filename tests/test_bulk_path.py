@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from geonear import wire
 from geonear.clients import client as client_module
 from geonear.clients.client import Client
 from geonear.geometry import great_circle_m
@@ -297,3 +298,23 @@ def test_the_gpu_engine_answers_streamed_per_query_calls_as_the_reference(
         pa.compute.list_value_length(near.column("id")).to_numpy(), np.diff(found.offsets)
     )
     np.testing.assert_array_equal(_flat(near.column("id")).to_numpy(), found.indices * 3)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 70_000])
+def test_encoded_messages_are_the_protobuf_messages_bytes(rows: int) -> None:
+    """The server's ArrowData written directly in the wire format is byte for byte what
+    protobuf writes for the same messages (an empty stream: the schema alone)."""
+    table = pa.table(
+        {
+            "id": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 3)), 3),
+            "distance_m": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(rows * 3)), 3),
+        }
+    ).replace_schema_metadata({"geonear.layout": "per_query"})
+    encoded = list(wire.tables_to_encoded([table], batch_bytes=1 << 18))
+    messages = list(wire.tables_to_messages([table], batch_bytes=1 << 18))
+    assert [e.data for e in encoded] == [m.SerializeToString() for m in messages]
+    assert [e.row_count for e in encoded] == [m.row_count for m in messages]
+    assert [wire.serialized(e) for e in encoded] == [wire.serialized(m) for m in messages]
+    assert len(encoded) == max(1, -(-rows * 48 // (1 << 18)))
+    decoded = wire.messages_to_table(pb.ArrowData.FromString(e.data) for e in encoded)
+    assert decoded.equals(table) and decoded.schema.metadata == table.schema.metadata
