@@ -106,8 +106,6 @@ def check_columns(dataset: DatasetVersion, columns: Sequence[str]) -> list[str]:
             raise InvalidInput(
                 f"column {name!r} is always returned; ask for attributes, lat or lon"
             )
-        if name in out:
-            raise InvalidInput(f"column {name!r} is asked for twice")
         if name not in names:
             raise ColumnNotFound(
                 f"dataset {dataset.name!r} has no column {name!r}; it has "
