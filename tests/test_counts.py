@@ -32,6 +32,7 @@ from analytics_data import (
 from geonear.clients.cli import main
 from geonear.clients.client import Client
 from geonear.clients.errors import InvalidArgument, NotFound, ResourceExhausted
+from geonear.service import servicer as servicer_module
 from geonear.service.queries import counts as counts_module
 from geonear.service.server import build_server
 from geonear.service.settings import Limits, ServerSettings
@@ -111,9 +112,27 @@ def test_a_large_left_set_is_counted_and_sent_in_slices_in_order(
     loaded: Client, stub: pb_grpc.GeoNearStub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(counts_module, "COUNT_SLICE", 100)
+    monkeypatch.setattr(counts_module, "COUNT_SEARCH", 300)
+    counted: list[int] = []
+    original = counts_module.count_tables
+
+    def spied(query, *args, **kwargs):
+        original_count = query.points.index.radius_count
+
+        def radius_count(lat, lon, radius_m):
+            counted.append(len(lat))
+            return original_count(lat, lon, radius_m)
+
+        monkeypatch.setattr(query.points.index, "radius_count", radius_count)
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(servicer_module, "count_tables", spied)
     request = pb.CountWithinRequest(dataset="pts", left_dataset="pts", radius_m=500_000.0)
     messages = list(stub.CountWithin(request))
-    assert sum(1 for m in messages if m.record_batch) >= TABLES["uniform"].num_rows // 100
+    n = TABLES["uniform"].num_rows
+    # Counted 300 queries an engine call, sent 100 a table.
+    assert counted == [300] * (n // 300) + ([n % 300] if n % 300 else [])
+    assert sum(1 for m in messages if m.record_batch) >= n // 100
     found = messages_to_table(messages)
     monkeypatch.undo()
     whole = loaded.count_within("pts", left="pts", radius_m=500_000.0, as_arrow=True)

@@ -23,8 +23,11 @@ from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 
-#: Queries counted, and their counts sent, at a time: 2 MB of answer a slice.
+#: Queries whose counts are sent a table at a time: 2 MB of answer a slice.
 COUNT_SLICE = SLICE_ROWS
+#: Queries counted in one engine call (8 bytes of answer each, 64 MB at most): a device
+#: engine pays a fixed cost a call, which 1M left points in slices paid eight times.
+COUNT_SEARCH = 64 * COUNT_SLICE
 
 
 @dataclass(frozen=True)
@@ -72,19 +75,22 @@ def count_query(
 def count_tables(
     query: CountQuery, earth_radius_m: float, is_active: Callable[[], bool] = lambda: True
 ) -> Iterator[pa.Table]:
-    """The answer a slice of queries at a time: query_index (or left_id) and count."""
+    """The answer a slice of queries at a time: query_index (or left_id) and count,
+    counted COUNT_SEARCH queries an engine call."""
     n = query.n_queries
-    for start in range(0, max(1, n), COUNT_SLICE):
-        if not is_active():
-            raise Cancelled("the call was cancelled; its counting stopped")
-        stop = min(n, start + COUNT_SLICE)
-        if stop > start:
-            counts = query.points.index.radius_count(
-                query.lat[start:stop], query.lon[start:stop], query.radius_m
-            )
-        else:
-            counts = np.zeros(0, dtype=np.int64)
-        yield _table(query, start, stop, counts, earth_radius_m)
+    if n == 0:
+        yield _table(query, 0, 0, np.zeros(0, dtype=np.int64), earth_radius_m)
+        return
+    for first in range(0, n, COUNT_SEARCH):
+        last = min(n, first + COUNT_SEARCH)
+        counts = query.points.index.radius_count(
+            query.lat[first:last], query.lon[first:last], query.radius_m
+        )
+        for start in range(first, last, COUNT_SLICE):
+            if not is_active():
+                raise Cancelled("the call was cancelled; its counting stopped")
+            stop = min(last, start + COUNT_SLICE)
+            yield _table(query, start, stop, counts[start - first : stop - first], earth_radius_m)
 
 
 def _table(
