@@ -663,18 +663,32 @@ def _matrix(client: Client, args: argparse.Namespace) -> int:
     if args.name is None and args.lat2 is None:
         raise ValueError("give a dataset NAME or --lat2/--lon2")
     lat, lon = _query_points(args)
-    if not args.out:
-        # Refused before the work: a matrix wider than a screen is no use printed.
-        columns = client.info(args.name).rows if args.name is not None else len(args.lat2)
-        if columns > PRINT_MATRIX_COLUMNS:
-            rows = len(lat)
+    where, within = _where(args), _within_area(args)
+    selected = where is not None or within is not None
+    if selected and args.name is None:
+        raise ValueError("--where and --within-* select a dataset's points: give NAME")
+
+    def check_printable(columns: int) -> None:
+        # A matrix wider than a screen is no use printed.
+        if not args.out and columns > PRINT_MATRIX_COLUMNS:
             raise ValueError(
-                f"a {rows:,} x {columns:,} matrix is too wide to print (more than "
+                f"a {len(lat):,} x {columns:,} matrix is too wide to print (more than "
                 f"{PRINT_MATRIX_COLUMNS} columns): {_OUT_HINT.replace('.arrow', '.arrow or .npy')}"
             )
+
+    if not selected:  # refused before the work
+        check_printable(client.info(args.name).rows if args.name is not None else len(args.lat2))
     m = client.distance_matrix(
-        lat, lon, name=args.name, lat2=args.lat2, lon2=args.lon2, dtype=args.dtype
+        lat,
+        lon,
+        name=args.name,
+        lat2=args.lat2,
+        lon2=args.lon2,
+        where=where,
+        within=within,
+        dtype=args.dtype,
     )
+    check_printable(m.shape[1])
     if args.out and args.out.endswith(".npy"):
         np.save(args.out, m)
         _console.print(
@@ -864,6 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="float64",
         help="float32 halves the bytes, about 1-4 m error",
     )
+    _add_where(p, "use as columns only the points of NAME (in row order)")
+    _add_within(p, "use as columns only the points of NAME (in row order)")
     _add_output(p, "the matrix (also .npy; Parquet/CSV/Arrow in long form)")
     p = _client_parser(sub, "kmeans", "spherical k-means of a dataset", _run_client(_kmeans))
     p.add_argument("name", help="dataset to cluster")

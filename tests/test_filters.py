@@ -636,3 +636,40 @@ def test_kmeans_command_takes_where(loaded: Client, server: Any, tmp_path: Any) 
     expected = loaded.kmeans("pts", 4, seed=3, where=where, return_labels=True)
     assert expected.labels is not None
     np.testing.assert_array_equal(labels["cluster"], expected.labels["cluster"])
+
+
+def test_matrix_command_takes_where_and_within(
+    loaded: Client, server: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``geonear matrix NAME --where ... --within-bbox ...``: the columns are the selected
+    points in row order, as the client's ``distance_matrix`` gives them."""
+    out = tmp_path / "m.npy"
+    code = main(
+        ["matrix", "pts", "--lat", "10,-5", "--lon", "20,170", "--target", server.target,
+         "--where", "bucket < 30", "--within-bbox=-60,-180,60,180", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    got = np.load(out)
+    where, box = [("bucket", "<", 30)], (-60.0, -180.0, 60.0, 180.0)
+    expected = loaded.distance_matrix([10.0, -5.0], [20.0, 170.0], "pts", where=where, within=box)
+    np.testing.assert_array_equal(got, expected)
+    lat = T.column("lat").to_numpy()
+    assert got.shape == (2, int(((BUCKET < 30) & (np.abs(lat) <= 60)).sum())) and got.shape[1] > 0
+    # Without --out, a narrow selection prints and a wide one is refused; a selection
+    # needs a dataset.
+    capsys.readouterr()
+    assert main(
+        ["matrix", "pts", "--lat", "10", "--lon", "20", "--target", server.target,
+         "--where", "id < 5"]
+    ) == 0  # fmt: skip
+    assert "distance matrix" in capsys.readouterr().out
+    assert main(
+        ["matrix", "pts", "--lat", "10", "--lon", "20", "--target", server.target,
+         "--where", "id < 50"]
+    ) == 2  # fmt: skip
+    assert "1 x 50 matrix is too wide to print" in capsys.readouterr().err
+    assert main(
+        ["matrix", "--lat", "10", "--lon", "20", "--lat2", "1", "--lon2", "2",
+         "--target", server.target, "--where", "bucket == 99"]
+    ) == 2  # fmt: skip
+    assert "give NAME" in capsys.readouterr().err
