@@ -238,15 +238,22 @@ class NeighbourGrid:
 
     def neighbour_rows(self) -> NeighbourRows:
         valid = self.indices >= 0
-        query_index, rank = np.nonzero(valid)
+        n, width = self.indices.shape
+        if valid.all():  # every query has k' neighbours: the layout gives their positions
+            query_index = np.repeat(np.arange(n, dtype=np.int64), width)
+            rank = np.tile(np.arange(width, dtype=np.int32), n)
+            rows, distances = self.indices.reshape(-1), self.distances_m.reshape(-1)
+        else:  # 100k queries at k = 10: 15.7 ms this way, 1.5 ms the other
+            query_index, rank = np.nonzero(valid)
+            rows, distances = self.indices[valid], self.distances_m[valid]
         if self.first_query:
             query_index += self.first_query
         return NeighbourRows(
             self.dataset,
             query_index.astype(np.int64, copy=False),
-            rank.astype(np.int32),
-            self.indices[valid],
-            self.distances_m[valid],
+            rank.astype(np.int32, copy=False),
+            rows,
+            distances,
             self.columns,
         )
 
