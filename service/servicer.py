@@ -70,6 +70,7 @@ from geonear.service.validation import (
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import (
+    ANSWER_BATCH_BYTES,
     BatchDecoder,
     EncodedArrowData,
     points_from_message,
@@ -220,12 +221,12 @@ def _selects(message: Any) -> bool:
 def _encoded(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[EncodedArrowData]:
     """``tables`` as one Arrow stream of ArrowData messages in their wire format (a
     response stream of ArrowData), each message's encoding timed."""
-    return timing.timed(tables_to_encoded(tables), "encode", nested=True)
+    return timing.timed(tables_to_encoded(tables, ANSWER_BATCH_BYTES), "encode", nested=True)
 
 
 def _label_messages(tables: Iterator[pa.Table], timing: StageTimes) -> Iterator[pb.ArrowData]:
     """``tables`` as ArrowData messages to nest in KMeans and DBSCAN responses, timed."""
-    return timing.timed(tables_to_messages(tables), "encode", nested=True)
+    return timing.timed(tables_to_messages(tables, ANSWER_BATCH_BYTES), "encode", nested=True)
 
 
 def _more_points(message: pb.KnnRequest | pb.RadiusRequest | None) -> pb.Points | None:
