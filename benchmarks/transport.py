@@ -12,15 +12,16 @@ each variant side by side, in both of the answer's layouts:
 
 ``--rows`` counts neighbours (1,000,000 = 100,000 queries x k = 10). Variants:
 
-- geonear-arrowdata: today's product path minus the search. A grpc.aio server (as
+- geonear-arrowdata: the product's path minus the search, with protobuf objects (as the
+  server wrote its answers before ``wire.tables_to_encoded``). A grpc.aio server (as
   ``geonear serve``) whose server-streaming handler yields
   ``geonear.wire.table_to_messages(table)`` (pb.ArrowData, 1 MiB batches, serialized by
   ``ArrowData.SerializeToString``); the sync grpc client (as ``geonear.connect``)
   deserializes with ``ArrowData.FromString`` and decodes with
   ``geonear.wire.messages_to_table``.
-- arrowdata-preencoded: the same bytes on the wire, written without protobuf objects.
-  The handler writes each ArrowData's wire format by hand (tag, varint length, the
-  ``batch.serialize()`` buffer, row_count) with one ``b"".join`` and yields bytes to an
+- arrowdata-preencoded: the same bytes on the wire, written without protobuf objects,
+  as the server now writes its answers (``wire.tables_to_encoded``: tag, varint length,
+  the ``batch.serialize()`` buffer, row_count, one ``b"".join``), yielded to an
   identity serializer; the client takes raw bytes, finds the fields by slicing a
   memoryview and hands pyarrow the record batch without a copy (the same checks as
   ``geonear.wire.BatchDecoder``). What skipping the protobuf copies would gain.
@@ -135,35 +136,11 @@ def wire_batches(table: pa.Table, batch_bytes: int = wire.BATCH_BYTES) -> list[p
 
 
 # -- ArrowData written and read by hand ----------------------------------------------------
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # an int64 field: negative values as two's complement
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# Tags of ArrowData's fields: (field number << 3) | wire type (2: length-delimited, 0: varint).
-_SCHEMA_TAG, _BATCH_TAG, _ROWS_TAG = b"\x0a", b"\x12", b"\x18"
-
-
 def preencoded_messages(table: pa.Table, batch_bytes: int = wire.BATCH_BYTES) -> Iterator[bytes]:
-    """The serialized ArrowData messages ``wire.table_to_messages`` would give, written
-    without protobuf objects: per message one ``b"".join`` of the tags, lengths and the
-    Arrow buffers (the batch's only copy after ``RecordBatch.serialize``)."""
-    schema: pa.Buffer | None = table.schema.serialize()
-    for batch in wire_batches(table, batch_bytes):
-        body = batch.serialize()
-        parts: list[Any] = []
-        if schema is not None:
-            parts += [_SCHEMA_TAG, _varint(schema.size), schema]
-            schema = None
-        parts += [_BATCH_TAG, _varint(body.size), body, _ROWS_TAG, _varint(batch.num_rows)]
-        yield b"".join(parts)
-    if schema is not None:  # an empty table: the schema alone
-        yield b"".join([_SCHEMA_TAG, _varint(schema.size), schema])
+    """The serialized ArrowData messages of ``wire.table_to_messages``, written without
+    protobuf objects as the server writes its answers (``wire.tables_to_encoded``: one
+    ``b"".join`` of the tags, lengths and the Arrow buffers a message)."""
+    return (message.data for message in wire.tables_to_encoded([table], batch_bytes))
 
 
 @dataclass(frozen=True)
