@@ -494,6 +494,12 @@ _POLYGON_HELP = (
 )
 
 
+def _add_selection(p: argparse.ArgumentParser, what: str = "search only the points") -> None:
+    """``--where``/``--or-where`` and ``--within-bbox``/``--within-polygon``, ANDed."""
+    _add_where(p, what)
+    _add_within(p, what)
+
+
 def _add_within(p: argparse.ArgumentParser, what: str = "search only the points") -> None:
     p.add_argument(
         "--within-bbox",
@@ -835,8 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out neighbours farther than this (default: no bound)",
     )
     _add_columns(p)
-    _add_where(p)
-    _add_within(p)
+    _add_selection(p)
     _add_output(p)
     p = _client_parser(
         sub, "radius", "points within a radius of query points", _run_client(_radius)
@@ -861,8 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="order of each query's points by distance",
     )
     _add_columns(p)
-    _add_where(p)
-    _add_within(p)
+    _add_selection(p)
     _add_output(p)
     _add_join_commands(sub)
     p = _client_parser(sub, "matrix", "great-circle distance matrix, metres", _run_client(_matrix))
@@ -878,8 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="float64",
         help="float32 halves the bytes, about 1-4 m error",
     )
-    _add_where(p, "use as columns only the points of NAME (in row order)")
-    _add_within(p, "use as columns only the points of NAME (in row order)")
+    _add_selection(p, "use as columns only the points of NAME (in row order)")
     _add_output(p, "the matrix (also .npy; Parquet/CSV/Arrow in long form)")
     p = _client_parser(sub, "kmeans", "spherical k-means of a dataset", _run_client(_kmeans))
     p.add_argument("name", help="dataset to cluster")
@@ -896,8 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop when no centroid moves more than this, radians",
     )
     p.add_argument("--weights", default=None, help="numeric column holding point weights")
-    _add_where(p, "cluster only the points")
-    _add_within(p, "cluster only the points")
+    _add_selection(p, "cluster only the points")
     _add_output(p, "each clustered point's cluster (id, cluster)")
     _add_area_commands(sub)
     _add_tool_commands(sub)
@@ -923,8 +925,7 @@ def _add_join_commands(sub: Any) -> None:
         help="leave out neighbours farther than this (default: no bound)",
     )
     _add_join_columns(p)
-    _add_where(p, "search only the points of RIGHT")
-    _add_within(p, "search only the points of RIGHT")
+    _add_selection(p, "search only the points of RIGHT")
     _add_output(p)
     p = _client_parser(
         sub,
@@ -938,8 +939,7 @@ def _add_join_commands(sub: Any) -> None:
         "--radius-m", type=float, required=True, metavar="METRES", help="search radius, metres"
     )
     _add_join_columns(p)
-    _add_where(p, "search only the points of RIGHT")
-    _add_within(p, "search only the points of RIGHT")
+    _add_selection(p, "search only the points of RIGHT")
     _add_output(p)
     p = _client_parser(
         sub,
@@ -952,8 +952,7 @@ def _add_join_commands(sub: Any) -> None:
     _add_points(p)
     p.add_argument("--left", metavar="NAME", help="count around every point of this stored dataset")
     p.add_argument("--radius-m", type=float, required=True, metavar="METRES", help="radius, metres")
-    _add_where(p, "count only the points of NAME")
-    _add_within(p, "count only the points of NAME")
+    _add_selection(p, "count only the points of NAME")
     _add_output(p)
 
 
@@ -975,8 +974,7 @@ def _add_area_commands(sub: Any) -> None:
         metavar="N",
         help="points a neighbourhood needs (the point included) for a core point",
     )
-    _add_where(p, "cluster only the points")
-    _add_within(p, "cluster only the points")
+    _add_selection(p, "cluster only the points")
     _add_output(p, "each clustered point's cluster (id, cluster; -1 noise)")
     p = _client_parser(
         sub,
