@@ -239,6 +239,8 @@ class NeighbourGrid:
     def neighbour_rows(self) -> NeighbourRows:
         valid = self.indices >= 0
         n, width = self.indices.shape
+        query_index: np.ndarray
+        rank: np.ndarray
         if valid.all():  # every query has k' neighbours: the layout gives their positions
             query_index = np.repeat(np.arange(n, dtype=np.int64), width)
             rank = np.tile(np.arange(width, dtype=np.int32), n)
