@@ -88,9 +88,12 @@ from geonear.service.engines.spherical_kmeans import (
     spherical_kmeans,
 )
 
-#: The area tests' CuPy routines compile on a triangle across the antimeridian.
-_WARM_UP_POLYGON = SphericalPolygon(
-    [[(np.array([-10.0, 10.0, 0.0]), np.array([170.0, 175.0, -170.0]))]]
+#: Areas the warm-up tests, each holding some of its points (a diagonal from (-89, -179)
+#: to (89, 179)), so that every CuPy routine of the area tests compiles: a box across the
+#: antimeridian and a triangle about (0, 0).
+_WARM_UP_AREAS = (
+    Bbox(80.0, 170.0, 90.0, -170.0),
+    SphericalPolygon([[(np.array([-10.0, 10.0, 0.0]), np.array([-20.0, -10.0, 20.0]))]]),
 )
 
 #: Points per leaf of the index: 8 measured fastest on an H200 among 8-32 (10M points,
@@ -1034,7 +1037,7 @@ class GPUEngine(Engine):
         index.radius(lat[:2], lon[:2], 1e9)  # long segments: the device sort
         index.kmeans(4, max_iter=2)
         index.kmeans(4, weights=np.ones(lat.shape[0]), max_iter=2)
-        for area in (Bbox(-10.0, 170.0, 10.0, -170.0), _WARM_UP_POLYGON):
+        for area in _WARM_UP_AREAS:
             index.area_rows(lat, lon, area)
         for dtype in ("float32", "float64"):
             self.distance_matrix(lat[:5], lon[:5], lat[:7], lon[:7], dtype=dtype)  # type: ignore[arg-type]
