@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -318,3 +320,44 @@ def test_encoded_messages_are_the_protobuf_messages_bytes(rows: int) -> None:
     assert len(encoded) == max(1, -(-rows * 48 // (1 << 18)))
     decoded = wire.messages_to_table(pb.ArrowData.FromString(e.data) for e in encoded)
     assert decoded.equals(table) and decoded.schema.metadata == table.schema.metadata
+
+
+def test_the_next_slice_is_searched_while_this_one_is_used() -> None:
+    """searched_ahead keeps the order, runs one search ahead at most (on another thread),
+    waits for it when closed early, and passes a search's error on at its slice."""
+    started: list[int] = []
+    running = threading.Semaphore(2)  # the caller's slice and one ahead
+
+    def search(start: int, stop: int) -> list[int]:
+        assert running.acquire(blocking=False), "more than one search ahead"
+        started.append(start)
+        time.sleep(0.01)
+        return list(range(start, stop))
+
+    bounds = [(0, 3), (3, 5), (5, 9), (9, 10)]
+    seen = []
+    for start, stop, found in common.searched_ahead(bounds, search):
+        assert found == list(range(start, stop))
+        assert len(started) <= len(seen) + 2  # this slice's search and the next one's
+        seen.append((start, stop))
+        running.release()
+    assert seen == bounds and started == [0, 3, 5, 9]
+
+    started.clear()
+    running = threading.Semaphore(2)
+    iterator = common.searched_ahead(bounds, search)
+    next(iterator)
+    iterator.close()  # waits for the search in flight (if it started); no other starts
+    assert started in ([0], [0, 3])
+
+    def failing(start: int, stop: int) -> list[int]:
+        if start == 5:
+            raise ValueError("no index")
+        return [start]
+
+    got = []
+    with pytest.raises(ValueError, match="no index"):
+        for start, _, _ in common.searched_ahead(bounds, failing):
+            got.append(start)
+    assert got == [0, 3]
+    assert [s for s, _, _ in common.searched_ahead([(0, 4)], failing)] == [0]

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from geonear.service.batching import Batcher
+from geonear.service.engines import ENGINES
 from geonear.service.errors import (
     Cancelled,
     ColumnNotFound,
@@ -28,17 +31,21 @@ from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
 from geonear.service.validation import RESERVED, check_coordinates
 
+T = TypeVar("T")
+
 #: Result rows of one slice of a streamed answer: about 20 MB held on the server while
 #: the slice is searched, assembled and sent (~150 bytes a row). 100k queries at k=10 on
 #: 1,000 points through the Python client, 2 shared cores: the server's peak grew by
 #: 155 MB as one slice, 45 MB in slices of 2**17 rows, for about 7% more server CPU
 #: (2**15: 35 MB, more per slice; 2**19: 100 MB, no faster).
 SLICE_ROWS = 1 << 17
-#: Result rows of queries one engine call searches for a streamed KNN answer, which is
-#: then cut into SLICE_ROWS slices to assemble and send. The engine's own answer costs 16
-#: bytes a row (16 MB here) against about 150 for an assembled slice, and a device
-#: engine pays a fixed cost a call: on an H100, 100k queries at k = 10 took 1.2 ms in
-#: one call and about 50 ms as eight calls of one slice each.
+#: Result rows of queries one device engine call searches for a streamed KNN answer,
+#: which is then cut into SLICE_ROWS slices to assemble and send. The engine's own answer
+#: costs 16 bytes a row (16 MB here) against about 150 for an assembled slice, and a
+#: device engine pays a fixed cost a call: on an H100, 100k queries at k = 10 took 1.2 ms
+#: in one call and about 50 ms as eight calls of one slice each. A host engine searches
+#: one slice a call, the next one ahead (``searched_ahead``) while this one is assembled
+#: and sent.
 SEARCH_ROWS = 8 * SLICE_ROWS
 #: Most result rows of one batched engine call. The batcher asks the largest k of a
 #: batch for all its queries, so only requests whose answer averages at most
@@ -75,6 +82,35 @@ def fixed_slices(
     ``slice_rows`` rows a slice, at least one query; one empty slice for no queries."""
     step = max(1, slice_rows // max(1, rows_per_query))
     return [(a, min(n_queries, a + step)) for a in range(0, max(1, n_queries), step)]
+
+
+def search_rows(dataset: DatasetVersion) -> int:
+    """Result rows one engine call searches for a streamed answer (see SEARCH_ROWS)."""
+    spec = ENGINES.get(dataset.engine)
+    return SEARCH_ROWS if spec is not None and spec.device_kind == "gpu" else SLICE_ROWS
+
+
+def searched_ahead(
+    bounds: Sequence[tuple[int, int]], search: Callable[[int, int], T]
+) -> Iterator[tuple[int, int, T]]:
+    """``(start, stop, search(start, stop))`` for each of ``bounds`` in order, the next
+    one searched on a thread of its own while the caller works on this one (assembles
+    and encodes it): one search ahead at most, so a call holds two searches' answers.
+    Closing the iterator early waits for the search in flight."""
+    if len(bounds) <= 1:
+        for start, stop in bounds:
+            yield start, stop, search(start, stop)
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geonear-search")
+    try:
+        pending = pool.submit(search, *bounds[0])
+        for i, (start, stop) in enumerate(bounds):
+            found = pending.result()
+            if i + 1 < len(bounds):
+                pending = pool.submit(search, *bounds[i + 1])
+            yield start, stop, found
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def counted_slices(counts: np.ndarray) -> list[tuple[int, int]]:

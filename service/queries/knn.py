@@ -22,7 +22,6 @@ from geonear.service.batching import Batcher
 from geonear.service.engines import Capability, Neighbours, require
 from geonear.service.errors import InvalidInput, LimitExceeded
 from geonear.service.queries.common import (
-    SEARCH_ROWS,
     NeighbourGrid,
     NeighbourRows,
     batchable,
@@ -30,6 +29,8 @@ from geonear.service.queries.common import (
     check_queries,
     check_result_rows,
     fixed_slices,
+    search_rows,
+    searched_ahead,
 )
 from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
@@ -120,12 +121,17 @@ async def knn(
 
 def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
     """The answer a slice of queries at a time (``SLICE_ROWS`` rows each), searched
-    ``SEARCH_ROWS`` rows of queries at once as it is asked for, on the caller's thread;
-    query_index counts from ``offset`` (the call's earlier queries)."""
+    ``search_rows`` rows of queries an engine call, the next call made ahead while this
+    one's slices are assembled and sent; query_index counts from ``offset`` (the call's
+    earlier queries)."""
     q = query
     per_query = q.rows_per_query
-    for start, stop in fixed_slices(q.n_queries, per_query, SEARCH_ROWS):
-        found = q.points.index.knn(q.lat[start:stop], q.lon[start:stop], q.k, q.max_distance_m)
+
+    def search(start: int, stop: int) -> Neighbours:
+        return q.points.index.knn(q.lat[start:stop], q.lon[start:stop], q.k, q.max_distance_m)
+
+    blocks = fixed_slices(q.n_queries, per_query, search_rows(q.dataset))
+    for start, stop, found in searched_ahead(blocks, search):
         grid = _grid(q, found, start)
         for a, b in fixed_slices(stop - start, per_query):
             yield dataclasses.replace(

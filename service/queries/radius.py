@@ -26,6 +26,7 @@ from geonear.service.queries.common import (
     check_queries,
     check_result_rows,
     counted_slices,
+    searched_ahead,
 )
 from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
@@ -93,13 +94,15 @@ async def radius(
 
 def radius_slices(query: RadiusQuery, *, offset: int = 0) -> Iterator[NeighbourRows]:
     """The answer a slice of queries at a time (about ``SLICE_ROWS`` rows each, by the
-    counts), searched as it is asked for, on the caller's thread; query_index counts from
-    ``offset`` (the call's earlier queries)."""
+    counts), the next slice searched ahead while this one is assembled and sent;
+    query_index counts from ``offset`` (the call's earlier queries)."""
     q = query
-    for start, stop in counted_slices(q.counts):
-        found = _rows(
-            q, q.points.index.radius(q.lat[start:stop], q.lon[start:stop], q.radius_m), start
-        )
+
+    def search(start: int, stop: int) -> RadiusNeighbours:
+        return q.points.index.radius(q.lat[start:stop], q.lon[start:stop], q.radius_m)
+
+    for start, _, neighbours in searched_ahead(counted_slices(q.counts), search):
+        found = _rows(q, neighbours, start)
         if offset:
             found = dataclasses.replace(found, query_index=found.query_index + offset)
         yield found
