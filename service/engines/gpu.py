@@ -493,7 +493,9 @@ class GPUIndex(PointIndex):
         """The area's test on the device, over a device copy of the points' degrees made
         on the first call (16 bytes a point, kept with the index): a box is a few
         comparisons a point, a polygon's edges are tested against the points in its box
-        only. 10M points against a polygon of 64 edges: see docs/benchmarks.md."""
+        only. With the test on the host, ``within`` of 10M points and 64 edges took
+        0.30 s served by this engine against 0.35 s by the cpu engine (an H100 host,
+        docs/benchmarks.md): the host's NumPy test was most of both."""
         with self._lazy_lock:
             if self._degrees is None:
                 self._degrees = _degrees_device(lat, lon)
