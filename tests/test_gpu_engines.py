@@ -622,3 +622,71 @@ def test_columns_cudf_cannot_hold_stay_on_the_host() -> None:
     rows = np.random.default_rng(3).integers(0, n, 5000)
     for name, column in device.take(table.column_names, rows).items():
         assert column.equals(table.column(name).take(pa.array(rows))), name
+
+
+def _filter_table(n: int) -> pa.Table:
+    rng = np.random.default_rng(11)
+    nulls = rng.random(n) < 0.05
+    score = rng.random(n)
+    score[rng.random(n) < 0.02] = np.nan
+    return pa.table(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "lat": rng.uniform(-90, 90, n),
+            "lon": rng.uniform(-180, 180, n),
+            "small": pa.array(rng.integers(-100, 100, n).astype(np.int8), mask=nulls),
+            "count": pa.array(rng.integers(0, 1000, n).astype(np.uint32)),
+            "score": pa.array(score, mask=rng.random(n) < 0.05),
+            "narrow": pa.array(rng.random(n).astype(np.float32)),
+            "kind": pa.array(rng.choice(["a", "b", "ä", "B", ""], n), mask=nulls),
+            "flag": pa.array(rng.random(n) < 0.3, mask=rng.random(n) < 0.05),
+            "when": pa.array(rng.integers(0, 2**40, n), type=pa.timestamp("ms")),
+        }
+    )
+
+
+#: Filters over every device-comparable kind, nulls, NaN and the int constants; the
+#: last ones name columns the device does not compare (times): evaluated on the host.
+_DEVICE_FILTERS = [
+    [("small", "<", 2.5)],
+    [("small", "!=", 3)],
+    [("small", "not in", [1, 2, 3, 500])],
+    [("small", ">", 1000)],
+    [("small", "<=", 1e30)],
+    [("count", "in", [1, 5, 999])],
+    [("count", ">=", 500), ("id", "<", 3000)],
+    [("score", "<", 0.25)],
+    [("score", "!=", 0.5)],
+    [("score", "not in", [0.0, 1.0])],
+    [("narrow", "==", float(np.float32(0.5)))],
+    [("narrow", ">", 0.1)],
+    [("kind", "==", "a")],
+    [("kind", "<", "b")],
+    [("kind", "not in", ["a", ""])],
+    [("flag", "==", True)],
+    [("flag", "!=", True)],
+    [[("kind", "in", ["B", "ä"]), ("score", ">=", 0.5)], [("flag", "==", False)]],
+]
+_HOST_FILTERS = [[("when", ">=", "2000-01-01")], [("id", "<", 10), ("when", "<", "1990-01-01")]]
+
+
+def test_the_device_evaluates_filters_as_the_host_does(gpu: Engine) -> None:
+    from geonear.service.engines.gpu_table import cudf_available
+    from geonear.service.queries.filters import check_filter, parse_filter, row_mask
+    from geonear.service.store import DatasetStore
+    from geonear.service.validation import normalise_upload
+
+    store = DatasetStore(gpu)
+    store.upload("f", "create", normalise_upload(_filter_table(20_000)))
+    dataset = store.get("f")
+    for where in _DEVICE_FILTERS + _HOST_FILTERS:
+        parsed = parse_filter(where)
+        assert parsed is not None
+        checked = check_filter(dataset, parsed)
+        expected = np.flatnonzero(row_mask(dataset, checked))
+        rows = dataset.index.filter_rows(checked)
+        if not cudf_available() or where in _HOST_FILTERS:
+            assert rows is None, where
+            continue
+        assert rows is not None, where
+        np.testing.assert_array_equal(rows, expected, err_msg=str(where))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -127,6 +127,18 @@ class PointIndex(ABC):
         answer is the same either way.
         """
         return {}
+
+    def filter_rows(self, where: Sequence[Sequence[Any]]) -> np.ndarray | None:
+        """Row numbers of the points a checked filter selects, in row order, int64,
+        evaluated where this index keeps the columns; None where it does not keep them
+        all, and the caller evaluates the filter on the host table.
+
+        ``where`` is a ``CheckedFilter`` (``geonear.service.queries.filters``):
+        conjunctions of predicates with ``column``, ``kind``, ``op``, ``values`` and
+        ``constant``, ORed. Host engines keep no columns; the GPU engine evaluates on its
+        cuDF table. The rows are the same either way.
+        """
+        return None
 
     @abstractmethod
     def knn(

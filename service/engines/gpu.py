@@ -505,6 +505,15 @@ class GPUIndex(PointIndex):
         rows_d = cp.asarray(rows)
         return rows[_to_host(area_mask(lat_d[rows_d], lon_d[rows_d], area, cp))]
 
+    @gpu_memory.out_of_memory_guard("evaluating a filter")
+    def filter_rows(self, where: Sequence[Sequence[Any]]) -> np.ndarray | None:
+        """The filter evaluated on the device table (``DeviceTable.filter_mask``) where it
+        holds every column the filter names, in a type it compares exactly."""
+        mask = None if self.table is None else self.table.filter_mask(where)
+        if mask is None:
+            return None
+        return _to_host(cp.flatnonzero(mask)).astype(np.int64, copy=False)
+
     @gpu_memory.out_of_memory_guard("copying a dataset's columns to the GPU")
     def keep_columns(self, table: pa.Table) -> None:
         """Copy the id and attribute columns to the device as a cuDF table (with cuDF)."""

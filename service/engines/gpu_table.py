@@ -11,6 +11,10 @@ faster on the host up to several million rows (3.5 against 4.4 ms at 1M). So the
 gathers results of at least ``DEVICE_TAKE_FROM`` rows that ask for attributes; the rest
 use the host table.
 
+Filters (``where``) are evaluated on the same table (``filter_mask``) where it holds
+their columns: the selected rows come back as row numbers, and the columns never leave
+the device.
+
 The host Arrow table stays the dataset's record (persistence, GetDataset, uploads that
 append), so answers never depend on where the rows were gathered: a column whose Arrow
 type does not survive the round trip through cuDF unchanged (checked when the table is
@@ -23,6 +27,7 @@ cuDF is imported here only, when the GPU engine first keeps a table (or a test a
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +124,76 @@ class DeviceTable:
                 column = column.cast(self._types[name])
             out[name] = column
         return out
+
+    def filter_mask(self, where: Sequence[Sequence[Any]]) -> Any:
+        """A checked filter (``geonear.service.queries.filters``) evaluated on the device:
+        a CuPy bool array with a value a row, or None where a column it names is not on
+        the device or not of a type compared here exactly as on the host (see
+        :func:`_device_comparable`); the caller then evaluates it on the host.
+
+        Semantics are the host's (pyarrow): a null never matches, not even ``!=`` or
+        ``not in``; NaN is a value, unequal to every other.
+        """
+        predicates = [p for group in where for p in group]
+        if not all(
+            p.column in self.columns and _device_comparable(self._types[p.column], p.kind)
+            for p in predicates
+        ):
+            return None
+        import cupy
+
+        n = len(self._frame)
+        selected = cupy.zeros(n, dtype=bool)
+        for group in where:
+            both = cupy.ones(n, dtype=bool)
+            for p in group:
+                both &= self._predicate_mask(p)
+            selected |= both
+        return selected
+
+    def _predicate_mask(self, p: Any) -> Any:
+        import cupy
+
+        column = self._frame[p.column]
+        if p.constant == "none":
+            return cupy.zeros(len(column), dtype=bool)
+        valid = column.notna().values
+        if p.kind == "float":
+            column = column.astype("float64")  # exact: the values are doubles
+            valid = valid | cupy.isnan(column.to_cupy(na_value=0.0))  # NaN: a value, not null
+        if p.constant == "all":
+            return valid
+        if p.op in ("in", "not in"):
+            found = column.isin(list(p.values)).fillna(False).values & valid
+            return found if p.op == "in" else valid & ~found
+        (value,) = p.values
+        return _COMPARE[p.op](column, value).fillna(False).values
+
+
+_COMPARE = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+
+
+def _device_comparable(t: pa.DataType, kind: str) -> bool:
+    """Whether a device column of Arrow type ``t`` compares with a filter's values of
+    ``kind`` as the host does: integers up to int64 (uint64 bounds may exceed int64),
+    floats, bools and plain strings (byte order, as Arrow). Times and dictionaries stay
+    on the host: their units and categories would need the host's casts."""
+    if kind == "int":
+        return pa.types.is_integer(t) and t != pa.uint64()
+    if kind == "float":
+        return pa.types.is_floating(t) and t != pa.float16()
+    if kind == "bool":
+        return pa.types.is_boolean(t)
+    if kind == "string":
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return False
 
 
 def _to_device(table: pa.Table) -> tuple[Any, list[str]]:

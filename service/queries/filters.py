@@ -590,12 +590,19 @@ class FilteredIndexes:
 
 def _rows(dataset: DatasetVersion, checked: CheckedFilter | None, area: Area | None) -> np.ndarray:
     """Rows that ``checked`` selects and ``area`` holds, in row order (at least one set)."""
-    rows = None if checked is None else np.flatnonzero(row_mask(dataset, checked))
+    rows = None if checked is None else _filter_rows(dataset, checked)
     if area is None:
         assert rows is not None
         return rows
     # The area tests only the rows the filter kept: a polygon's test costs per point.
     return dataset.index.area_rows(dataset.lat, dataset.lon, area, rows)
+
+
+def _filter_rows(dataset: DatasetVersion, checked: CheckedFilter) -> np.ndarray:
+    """Rows ``checked`` selects, evaluated where the index keeps the columns (the GPU
+    engine's device table), else on the host table."""
+    rows = dataset.index.filter_rows(checked)
+    return np.flatnonzero(row_mask(dataset, checked)) if rows is None else rows
 
 
 def selected_rows(
