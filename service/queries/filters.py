@@ -26,6 +26,11 @@ cannot promise. The other way, a mask applied inside each engine's search, saves
 build (linear in the points selected) but needs every engine's search changed; it is
 left for the GPU kernels, where it would pay most.
 
+Where the filter is evaluated: on the GPU engine's device table (cuDF) when it holds
+every column the filter names in a type compared there exactly as here (integers up to
+int64, floats, bools, strings); only the selected row numbers come back to the host.
+Otherwise, and on every host engine, on the host table with pyarrow (:func:`row_mask`).
+
 Built indexes are kept per (dataset version, filter, area) in a small LRU bounded by
 entries and bytes (:class:`FilteredIndexes`), so repeated filtered queries don't rebuild. A
 version never changes, so an entry never goes stale; the entries of a version go when
