@@ -6,7 +6,9 @@ a process of its own (``geonear serve --engine NAME --memory-only`` on a free lo
 port), asked by the Python client. The server reports where its time went in the
 call's trailing metadata (``geonear-timing``, see ``geonear.wire.parse_timing``); the
 client side adds what it spent receiving, decoding and converting. The gap between the
-first line and the last is what the service costs.
+first line and the last is what the service costs. CPU seconds are counted too, in
+this process and in the server's: where client and server share a few cores, the served
+call's CPU over the cores is a floor on its wall time.
 
     geonear bench --served --n 1000 --queries 100000 -k 10 --engines cpu
 """
@@ -59,6 +61,11 @@ class ServedResult:
     served_per_query_s: float | None = None
     result_rows: int = 0
     result_bytes: int = 0
+    #: CPU seconds a call, mean over the repeats: the engine's call in this process,
+    #: then the served call's in the server and in this client (all threads each).
+    in_process_cpu_s: float | None = None
+    server_cpu_s: float | None = None
+    client_cpu_s: float | None = None
     server_stages: dict[str, float] = field(default_factory=dict)
     client_stages: dict[str, float] = field(default_factory=dict)
 
@@ -67,6 +74,22 @@ class ServedResult:
         if self.in_process_s and self.served_s:
             return self.served_s / self.in_process_s
         return None
+
+
+@dataclass(frozen=True)
+class ServedProcess:
+    """A ``geonear serve`` process started for a run: its target and process id."""
+
+    target: str
+    pid: int
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds the server has used, user and system (Linux; None elsewhere)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -78,6 +101,15 @@ def served_engine(
     ``settings`` are ``GEONEAR_*`` environment variables of the server (limits a run
     needs raised), on top of the query-point limit every bench server lifts.
     """
+    with served_process(engine, log_dir=log_dir, settings=settings) as server:
+        yield server.target
+
+
+@contextlib.contextmanager
+def served_process(
+    engine: str, *, log_dir: Path | None = None, settings: Mapping[str, str] | None = None
+) -> Iterator[ServedProcess]:
+    """As :func:`served_engine`, yielding the process too (for its CPU time)."""
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_path = folder / f"serve-{engine}.log"
@@ -90,7 +122,7 @@ def served_engine(
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env=env)
         try:
-            yield _wait_listening(proc, log_path)
+            yield ServedProcess(_wait_listening(proc, log_path), proc.pid)
         finally:
             proc.terminate()
             try:
@@ -140,13 +172,20 @@ def bench_served_engine(config: BenchConfig, data: BenchData, engine: str) -> Se
         local.warm_up()
     except EngineUnavailable as exc:
         return ServedResult(engine, status="skipped", reason=str(exc))
-    row.in_process_s = _in_process_s(config, data, local)
-    with served_engine(engine) as target, Client(target, timeout_s=600) as client:
+    row.in_process_s, row.in_process_cpu_s = _in_process_s(config, data, local)
+    with served_process(engine) as server, Client(server.target, timeout_s=600) as client:
         points = pa.table({"id": np.arange(data.lat.shape[0]), "lat": data.lat, "lon": data.lon})
         client.upload("bench", points)
+        served_cpu_s = server.cpu_s()
+        client_cpu_s = time.process_time()
         row.served_s, table = _best(
             config.repeat, lambda: _query(client, config, data, as_arrow=True)
         )
+        calls = config.repeat + 1  # and the warm-up
+        row.client_cpu_s = (time.process_time() - client_cpu_s) / calls
+        served_cpu_after = server.cpu_s()
+        if served_cpu_s is not None and served_cpu_after is not None:
+            row.server_cpu_s = (served_cpu_after - served_cpu_s) / calls
         row.served_pandas_s, _ = _best(config.repeat, lambda: _query(client, config, data))
         row.served_per_query_s, _ = _best(
             config.repeat,
@@ -161,8 +200,9 @@ def bench_served_engine(config: BenchConfig, data: BenchData, engine: str) -> Se
     return row
 
 
-def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> float:
-    """The engine's own call, fastest of the repeats (the index is freed on return)."""
+def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> tuple[float, float]:
+    """The engine's own call, fastest of the repeats, and its mean CPU seconds (the
+    index is freed on return)."""
     index = engine.build_index(data.lat, data.lon)
     sync = synchroniser(engine)
 
@@ -176,7 +216,9 @@ def _in_process_s(config: BenchConfig, data: BenchData, engine: Any) -> float:
         sync()
         return out
 
-    return _best(config.repeat, call)[0]
+    cpu_s = time.process_time()
+    best_s = _best(config.repeat, call)[0]
+    return best_s, (time.process_time() - cpu_s) / (config.repeat + 1)
 
 
 def _staged_call(
@@ -256,6 +298,22 @@ def print_served(doc: dict[str, Any], console: Any) -> None:
         )
     console.print(totals)
     ok = [r for r in doc["results"] if r.status == "ok"]
+    if any(r.server_cpu_s is not None for r in ok):
+        cpu = Table(title="CPU ms a call (all threads): where the cores went", title_justify="left")
+        for name in ("engine", "in-process", "server", "client", "served / in-process"):
+            cpu.add_column(name, justify="left" if name == "engine" else "right")
+        for r in ok:
+            if r.server_cpu_s is None or r.in_process_cpu_s is None or r.client_cpu_s is None:
+                continue
+            served = r.server_cpu_s + r.client_cpu_s
+            cpu.add_row(
+                r.engine,
+                f"{r.in_process_cpu_s * 1e3:.0f}",
+                f"{r.server_cpu_s * 1e3:.0f}",
+                f"{r.client_cpu_s * 1e3:.0f}",
+                f"{served / r.in_process_cpu_s:.2f}" if r.in_process_cpu_s else "",
+            )
+        console.print(cpu)
     stages = list(dict.fromkeys(s for r in ok for s in (*r.server_stages, *r.client_stages)))
     if not stages:
         return

@@ -269,6 +269,8 @@ def test_bench_served_runs_the_engine_in_process_and_through_a_server(tmp_path):
     for stage in ("search", "encode", "receive", "decode Arrow", "to_pandas"):
         assert stage in done.stdout
     assert "--served" in done.stdout
+    if sys.platform == "linux":  # the server's CPU time is read from /proc
+        assert "CPU ms a call" in done.stdout
 
 
 @pytest.mark.gpu
