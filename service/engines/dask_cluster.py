@@ -84,6 +84,10 @@ def _load_partition(path: str, engine_name: str, earth_radius_m: float) -> _Part
     return _Partition(path, engine_name, earth_radius_m)
 
 
+def _partition_points(part: _Partition) -> int:
+    return int(part.rows.shape[0])
+
+
 def _partition_knn(
     part: _Partition, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -197,7 +201,9 @@ class DaskIndex(PointIndex):
             )
             for p in paths
         ]
-        self._gather(self.partitions)  # built before the version is acknowledged
+        # Built before the version is acknowledged. The partitions stay on their workers:
+        # gathering them would pickle each index to this process (a GPU index cannot be).
+        self._gather([self.client.submit(_partition_points, p) for p in self.partitions])
         self.last_partitions_searched = 0
         weakref.finalize(self, shutil.rmtree, str(self.directory), True)
 
