@@ -56,6 +56,27 @@ def test_partitions_cover_the_dataset_once(both) -> None:
     assert (dask_index.directory / "partitions.json").exists()
 
 
+def test_partitions_stay_on_their_workers(engine: DaskEngine, points, monkeypatch) -> None:
+    """Building waits for the partitions without bringing them here: an index is
+    pickled to travel, and a GPU index cannot be (dask-gpu could not build)."""
+    from geonear.service.engines import dask_cluster
+
+    gathered: list[object] = []
+    real_gather = engine.client.gather
+
+    def watched(futures, *args, **kwargs):
+        out = real_gather(futures, *args, **kwargs)
+        gathered.extend(out if isinstance(out, list) else [out])
+        return out
+
+    monkeypatch.setattr(engine.client, "gather", watched)
+    lat, lon = points
+    index = engine.build_index(lat[:3000], lon[:3000])
+    index.knn(*queries(50), 3)
+    assert gathered, "the build waits for its partitions through the client"
+    assert not any(isinstance(x, dask_cluster._Partition) for x in gathered)
+
+
 @pytest.mark.parametrize("k", [1, 10, 50])
 def test_knn_identical_to_single_process(both, k: int) -> None:
     dask_index, cpu_index = both
