@@ -3,25 +3,17 @@ finds the same rows at every selectivity. No test asserts a duration."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
+import benchmark_scripts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "filter_rule.py"
 
 
 @pytest.fixture(scope="module")
 def filter_rule() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("filter_rule_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("filter_rule")
 
 
 @pytest.mark.parametrize("engine", ["cpu", "numpy-brute"])

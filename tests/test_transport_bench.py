@@ -4,29 +4,21 @@ duration."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
+import benchmark_scripts
 import pyarrow as pa
 import pytest
 
 from geonear import wire
 from geonear.v1 import geonear_pb2 as pb
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transport.py"
-
 
 @pytest.fixture(scope="module")
 def transport() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("transport_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("transport")
 
 
 def test_every_variant_delivers_the_table(transport: ModuleType, tmp_path: Path) -> None:
