@@ -61,8 +61,9 @@ class ServedResult:
     served_per_query_s: float | None = None
     result_rows: int = 0
     result_bytes: int = 0
-    #: CPU seconds a call, mean over the repeats: the engine's call in this process,
-    #: then the served call's in the server and in this client (all threads each).
+    #: CPU seconds a call, mean over the repeats and the warm-up call: the engine's call
+    #: in this process, then the served call's in the server and in this client (all
+    #: threads each).
     in_process_cpu_s: float | None = None
     server_cpu_s: float | None = None
     client_cpu_s: float | None = None

@@ -157,17 +157,18 @@ class DeviceTable:
         column = self._frame[p.column]
         if p.constant == "none":
             return cupy.zeros(len(column), dtype=bool)
-        valid = column.notna().values
         if p.kind == "float":
             column = column.astype("float64")  # exact: the values are doubles
+        if p.constant is None and p.op in _COMPARE:  # a null compares as null: no match
+            (value,) = p.values
+            return _COMPARE[p.op](column, value).fillna(False).values
+        valid = column.notna().values
+        if p.kind == "float":
             valid = valid | cupy.isnan(column.to_cupy(na_value=0.0))  # NaN: a value, not null
         if p.constant == "all":
             return valid
-        if p.op in ("in", "not in"):
-            found = column.isin(list(p.values)).fillna(False).values & valid
-            return found if p.op == "in" else valid & ~found
-        (value,) = p.values
-        return _COMPARE[p.op](column, value).fillna(False).values
+        found = column.isin(list(p.values)).fillna(False).values & valid
+        return found if p.op == "in" else valid & ~found
 
 
 _COMPARE = {
