@@ -56,6 +56,7 @@ from geonear.bench.command import (
     SERVED_ENGINES,
     WORK_UNITS,
     BenchConfig,
+    BenchData,
     EngineResult,
     make_data,
     reference_queries,
@@ -140,6 +141,13 @@ def _points_table(lat: np.ndarray, lon: np.ndarray, **columns: np.ndarray) -> pa
 
 def _upload_s(client: Any, name: str, table: pa.Table) -> float:
     return timed(_no_sync, lambda: client.upload(name, table))[0]
+
+
+def _upload_sides(client: Any, d: BenchData) -> float:
+    """The queries as dataset ``left``, the points as ``right``: seconds of the latter
+    (the searched dataset's build)."""
+    client.upload("left", _points_table(d.q_lat, d.q_lon))
+    return _upload_s(client, "right", _points_table(d.lat, d.lon))
 
 
 def _import_peer(module: str, package: str) -> Any:
@@ -246,8 +254,7 @@ class KnnJoinBench(AnalyticsBench):
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         d, k = self.data, self.config.k
         row = EngineResult(engine=engine)
-        client.upload("left", _points_table(d.q_lat, d.q_lon))
-        row.build_s = _upload_s(client, "right", _points_table(d.lat, d.lon))
+        row.build_s = _upload_sides(client, d)
         table = _time_calls(
             row, lambda: client.knn_join("left", "right", k, as_arrow=True), self.config.repeat
         )
@@ -350,8 +357,7 @@ class CountWithinBench(AnalyticsBench):
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         d = self.data
         row = EngineResult(engine=engine)
-        client.upload("left", _points_table(d.q_lat, d.q_lon))
-        row.build_s = _upload_s(client, "right", _points_table(d.lat, d.lon))
+        row.build_s = _upload_sides(client, d)
         table = _time_calls(
             row,
             lambda: client.count_within(
