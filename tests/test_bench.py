@@ -301,7 +301,7 @@ def test_a_100_column_terminal_gets_a_table_that_fits_with_the_details_below() -
 # -- the analytics ops: each engine through a server of its own, peers beside ----------
 
 ANALYTICS_ROWS = {
-    "knn-join": ["cpu", "sklearn-balltree", "geopandas-sjoin"],
+    "knn-join": ["cpu", "cpu per_query", "sklearn-balltree", "geopandas-sjoin"],
     "count-within": ["cpu", "sklearn-balltree"],
     "filtered-knn": ["cpu", "cpu where 10%", "cpu where 1%"],
     "dbscan": ["cpu", "sklearn-dbscan", "cuml-dbscan"],
@@ -335,6 +335,8 @@ def test_analytics_ops_serve_the_cpu_engine_exactly_beside_their_peers(op: str) 
     n, exactness, data = doc["data"]["n_points"], rows["cpu"]["exactness"], doc["data"]
     if op == "knn-join":
         assert exactness["queries_checked"] == n and exactness["result_rows"] == n * 5
+        per_query = rows["cpu per_query"]["exactness"]
+        assert per_query["in_left_order"] and per_query["result_rows"] == n
         assert rows["sklearn-balltree"]["exact"] is True
         assert rows["cpu"]["speedup_vs_sklearn"] > 0
         sjoin = rows["geopandas-sjoin"]
