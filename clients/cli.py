@@ -112,7 +112,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--answer-threads",
         type=int,
-        help="threads assembling and encoding one streamed answer's slices at once (default 1)",
+        help="threads assembling and encoding one streamed answer's slices at once "
+        "(default 1)",
     )
     p.add_argument(
         "--demo",

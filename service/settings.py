@@ -135,7 +135,8 @@ class ServerSettings(BaseSettings):
     answer_threads: int = Field(
         1,
         ge=1,
-        description="threads assembling and encoding the slices of one streamed answer at once",
+        description="threads assembling and encoding the slices of one streamed answer "
+        "at once",
     )
     demo: bool = Field(False, description="load the bundled airports and cities at start")
     # -- GPU memory (service/engines/gpu_memory.py) -----------------------------------
