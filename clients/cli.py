@@ -110,12 +110,6 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--earth-radius-m", type=float, help="sphere radius (default 6371008.8)")
     p.add_argument("--max-workers", type=int, help="threads serving RPCs (default 16)")
     p.add_argument(
-        "--answer-threads",
-        type=int,
-        help="threads assembling and encoding one streamed answer's slices at once "
-        "(default 1)",
-    )
-    p.add_argument(
         "--demo",
         action="store_true",
         default=None,
@@ -319,7 +313,6 @@ def _serve(args: argparse.Namespace) -> int:
             "engine": args.engine,
             "earth_radius_m": args.earth_radius_m,
             "max_workers": args.max_workers,
-            "answer_threads": args.answer_threads,
             "demo": args.demo,
             "tls_cert": args.tls_cert,
             "tls_key": args.tls_key,

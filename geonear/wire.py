@@ -221,53 +221,13 @@ def tables_to_encoded(
     copy of the record batch (into the message's bytes) after ``RecordBatch.serialize``,
     where a protobuf message costs three (Python bytes, the message, its serialization).
     Measured, a 16 MB answer: see docs/benchmarks.md, "The transport alone"."""
-    return encoded_stream(encode_table(table, batch_bytes) for table in tables)
-
-
-@dataclass(frozen=True, slots=True)
-class EncodedTable:
-    """One table's record batches, each an ArrowData message in its wire format
-    without the schema: ``encoded_stream`` puts the schema in the stream's first."""
-
-    schema: pa.Schema
-    messages: list[EncodedArrowData]
-
-
-def encode_table(table: pa.Table, batch_bytes: int = BATCH_BYTES) -> EncodedTable:
-    """``table``'s batches of about ``batch_bytes`` as messages (dictionaries decoded).
-    Tables of one answer may be encoded on several threads at once (``RecordBatch.
-    serialize`` and the copy into the message's bytes hold no lock of Python's)."""
-    table = _decode_dictionaries(table)
-    messages = [
-        EncodedArrowData(
-            b"".join([_BATCH_TAG, _varint(batch.size), batch, _ROWS_TAG, _varint(rows)]), rows
-        )
-        for batch, rows in _serialized_batches(table, batch_bytes)
-    ]
-    return EncodedTable(table.schema, messages)
-
-
-def encoded_stream(tables: Iterable[EncodedTable]) -> Iterator[EncodedArrowData]:
-    """Encoded tables of one schema as one stream: the schema in front of the first
-    message; an empty stream is one message of the schema alone."""
-    schema: pa.Schema | None = None
-    head = b""  # the schema's field, until a message carries it
-    for encoded in tables:
-        if schema is None:
-            schema = encoded.schema
-            serialized_schema = schema.serialize()
-            head = b"".join([_SCHEMA_TAG, _varint(serialized_schema.size), serialized_schema])
-        elif not encoded.schema.equals(schema, check_metadata=True):
-            raise ValueError(f"tables of one stream differ in schema: {encoded.schema} != {schema}")
-        for message in encoded.messages:
-            if head:
-                message = EncodedArrowData(head + message.data, message.row_count)
-                head = b""
-            yield message
-    if schema is None:
-        raise ValueError("a stream needs at least one table, for its schema")
-    if head:
-        yield EncodedArrowData(head, 0)
+    for schema, batch, rows in _stream_parts(tables, batch_bytes):
+        parts: list[bytes | pa.Buffer] = []
+        if schema is not None:
+            parts += [_SCHEMA_TAG, _varint(schema.size), schema]
+        if batch is not None:
+            parts += [_BATCH_TAG, _varint(batch.size), batch, _ROWS_TAG, _varint(rows)]
+        yield EncodedArrowData(b"".join(parts), rows)
 
 
 def serialized(message: Any) -> bytes:
@@ -303,22 +263,16 @@ def _stream_parts(
             schema = table.schema
         elif not table.schema.equals(schema, check_metadata=True):
             raise ValueError(f"tables of one stream differ in schema: {table.schema} != {schema}")
-        for batch, rows in _serialized_batches(table, batch_bytes):
-            yield (None if sent_schema else schema.serialize()), batch, rows
+        row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+        for batch in table.to_batches(max_chunksize=max(1, batch_bytes // row_bytes)):
+            if batch.num_rows == 0:
+                continue
+            yield (None if sent_schema else schema.serialize()), batch.serialize(), batch.num_rows
             sent_schema = True
     if schema is None:
         raise ValueError("a stream needs at least one table, for its schema")
     if not sent_schema:
         yield schema.serialize(), None, 0
-
-
-def _serialized_batches(table: pa.Table, batch_bytes: int) -> Iterator[tuple[pa.Buffer, int]]:
-    """(serialized record batch, rows) of ``table`` in batches of about ``batch_bytes``,
-    empty ones left out."""
-    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
-    for batch in table.to_batches(max_chunksize=max(1, batch_bytes // row_bytes)):
-        if batch.num_rows:
-            yield batch.serialize(), batch.num_rows
 
 
 def _decode_dictionaries(table: pa.Table) -> pa.Table:

@@ -8,8 +8,6 @@ encoding, building an index) runs on the loop's thread pool, never on the loop:
 - :func:`produced` runs a blocking iterator there, up to ``depth`` items ahead of the
   handler that sends them, so the next slice of a streamed answer is made while this
   one goes out;
-- :func:`mapped_ahead`, inside such an iterator, makes several of its items at once on
-  threads of their own, in order (the slices of one answer assembled and encoded);
 - :class:`RequestFeed` hands the messages of a streamed request, read on the loop, to a
   blocking iterator on a thread, one as it asks for it.
 
@@ -26,15 +24,12 @@ import contextlib
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
 T = TypeVar("T")
-A = TypeVar("A")
 
 #: A deadline further away than this is no deadline (gRPC reports "none" as ~forever).
 _NO_DEADLINE_S = 86_400 * 365
@@ -187,28 +182,3 @@ class RequestFeed:
             if isinstance(message, _Failed):
                 raise message.error
             yield message
-
-
-def mapped_ahead(items: Iterable[A], function: Callable[[A], T], threads: int) -> Iterator[T]:
-    """``function(item)`` of each item, in order, up to ``threads`` of them made at once
-    on threads of their own; the items are taken from ``items`` here, one at a time.
-
-    With ``threads`` 1 each is made here when asked for, as a plain map. An exception
-    is raised at the item where it happened; closing the iterator early waits for the
-    items in flight (their results are dropped).
-    """
-    if threads <= 1:
-        for item in items:
-            yield function(item)
-        return
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="geonear-answer")
-    pending: deque[Future[T]] = deque()
-    try:
-        for item in items:
-            pending.append(pool.submit(function, item))
-            if len(pending) >= threads:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

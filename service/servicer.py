@@ -20,7 +20,7 @@ import pyarrow as pa
 from geonear._version import __version__
 from geonear.service.analytics.areas import Area
 from geonear.service.batching import Batcher
-from geonear.service.calls import CallScope, RequestFeed, in_thread, mapped_ahead, produced
+from geonear.service.calls import CallScope, RequestFeed, in_thread, produced
 from geonear.service.engines import Engine, engine_spec, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
@@ -73,9 +73,6 @@ from geonear.wire import (
     ANSWER_BATCH_BYTES,
     BatchDecoder,
     EncodedArrowData,
-    EncodedTable,
-    encode_table,
-    encoded_stream,
     points_from_message,
     table_to_messages,
     tables_to_encoded,
@@ -501,16 +498,16 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             raise InvalidInput(f"unknown result layout {first.layout}")
         dataset = self.store.get(first.dataset)
 
-        def pieces() -> Iterator[Any]:
+        def tables() -> Iterator[pa.Table]:
             offset, points = 0, first.queries
             while points is not None:
                 with timing.stage("decode"):
                     n_queries, found = answers(first, points, dataset, offset)
-                yield from found
+                yield from self._assembled(found, layout, scope, timing)
                 offset += n_queries
                 points = _more_points(next(requests, None))
 
-        return self._answer_messages(pieces(), layout, scope, timing)
+        return _encoded(tables(), timing)
 
     async def KnnCompact(self, request, context):
         scope = CallScope(context)
@@ -745,29 +742,18 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             sides = join_sides(left, right, request.left_columns, request.right_columns)
             found = slices(request, sides)
 
-        return self._answer_messages(found, layout, scope, timing)
+        return _encoded(self._assembled(found, layout, scope, timing), timing)
 
-    def _answer_messages(
+    def _assembled(
         self, pieces: Iterator[Any], layout: str, scope: CallScope, timing: StageTimes
-    ) -> Iterator[EncodedArrowData]:
-        """Each searched slice assembled into its result table and encoded, up to
-        ``answer_threads`` slices at once (``mapped_ahead``), as one stream in order;
-        the search stops once the call is over."""
-
-        def searched() -> Iterator[Any]:
-            for piece in timing.timed(pieces, "search"):
-                yield piece
-                if not scope.is_active():
-                    raise Cancelled("the call was cancelled; its search stopped")
-
-        def encoded(piece: Any) -> EncodedTable:
+    ) -> Iterator[pa.Table]:
+        """Each searched slice as a result table; the search stops once the call is over."""
+        for piece in timing.timed(pieces, "search"):
             with timing.stage("assemble"):
                 table = piece.table(self.engine.earth_radius_m, layout)
-            with timing.stage("encode"):
-                return encode_table(table, ANSWER_BATCH_BYTES)
-
-        threads = self.settings.answer_threads
-        return encoded_stream(mapped_ahead(searched(), encoded, threads))
+            yield table
+            if not scope.is_active():
+                raise Cancelled("the call was cancelled; its search stopped")
 
     async def Dbscan(self, request, context):
         async for message in self._streamed(context, self._dbscan, request):

@@ -132,12 +132,6 @@ class ServerSettings(BaseSettings):
     )
     earth_radius_m: float = Field(EARTH_RADIUS_M, gt=0, description="sphere radius, metres")
     max_workers: int = Field(16, ge=1, description="threads serving RPCs")
-    answer_threads: int = Field(
-        1,
-        ge=1,
-        description="threads assembling and encoding the slices of one streamed answer "
-        "at once",
-    )
     demo: bool = Field(False, description="load the bundled airports and cities at start")
     # -- GPU memory (service/engines/gpu_memory.py) -----------------------------------
     gpu_pool_size_bytes: int | None = Field(

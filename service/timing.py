@@ -15,7 +15,6 @@ costs two ``perf_counter`` calls a stage.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -28,15 +27,12 @@ T = TypeVar("T")
 
 
 class StageTimes:
-    """Seconds spent in each named stage of one call, in the order first seen. A stage
-    run on several threads at once (an answer's slices assembled and encoded side by
-    side) adds up every thread's seconds."""
+    """Seconds spent in each named stage of one call, in the order first seen."""
 
-    __slots__ = ("_lock", "seconds")
+    __slots__ = ("seconds",)
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._lock = threading.Lock()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -47,15 +43,14 @@ class StageTimes:
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
-        with self._lock:
-            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def timed(self, items: Iterable[T], name: str, *, nested: bool = False) -> Iterator[T]:
         """The items, the time spent making each one counted as stage ``name``; with
         ``nested``, less what stages timed inside it counted meanwhile."""
         iterator = iter(items)
         while True:
-            inner = self._total() if nested else 0.0
+            inner = sum(self.seconds.values()) if nested else 0.0
             start = time.perf_counter()
             try:
                 item = next(iterator)
@@ -64,13 +59,9 @@ class StageTimes:
             finally:
                 elapsed = time.perf_counter() - start
                 if nested:
-                    elapsed -= self._total() - inner
+                    elapsed -= sum(self.seconds.values()) - inner
                 self.add(name, elapsed)
             yield item
-
-    def _total(self) -> float:
-        with self._lock:
-            return sum(self.seconds.values())
 
     def header(self) -> str:
         """The trailer's value: ``name;dur=MS`` entries, comma-separated."""

@@ -21,7 +21,6 @@ from geonear.clients import client as client_module
 from geonear.clients.client import Client
 from geonear.geometry import great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
-from geonear.service import calls
 from geonear.service import servicer as servicer_module
 from geonear.service.engines import create_engine, gpu_available
 from geonear.service.engines.cpu import CPUEngine
@@ -364,66 +363,3 @@ def test_the_next_slice_is_searched_while_this_one_is_used() -> None:
             got.append(start)
     assert got == [0, 3]
     assert [s for s, _, _ in common.searched_ahead([(0, 4)], failing)] == [0]
-
-
-def test_slices_made_on_several_threads_come_out_in_order() -> None:
-    """mapped_ahead keeps the order, makes at most ``threads`` items at once, raises an
-    item's error at that item and, closed early, waits for the items in flight."""
-    lock, running, most = threading.Lock(), [0], [0]
-
-    def slow_square(x: int) -> int:
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.01 * (x % 3))  # later items may finish first
-        with lock:
-            running[0] -= 1
-        return x * x
-
-    assert list(calls.mapped_ahead(range(10), slow_square, 3)) == [x * x for x in range(10)]
-    assert 1 < most[0] <= 3
-    assert list(calls.mapped_ahead(range(5), slow_square, 1)) == [0, 1, 4, 9, 16]
-
-    def failing(x: int) -> int:
-        if x == 4:
-            raise ValueError("item 4")
-        return x
-
-    got = []
-    with pytest.raises(ValueError, match="item 4"):
-        for x in calls.mapped_ahead(range(8), failing, 3):
-            got.append(x)
-    assert got == [0, 1, 2, 3]
-
-    running[0] = 0
-    iterator = calls.mapped_ahead(range(100), slow_square, 3)
-    assert next(iterator) == 0
-    iterator.close()
-    assert running[0] == 0  # nothing left running
-
-
-@pytest.mark.parametrize("layout", ["rows", "per_query"])
-def test_an_answer_made_on_several_threads_is_the_one_made_on_one(server_factory, layout):
-    """A streamed answer of several slices (KNN and a KNN join), its slices assembled
-    and encoded on 3 threads, has the bytes of the answer made on one thread."""
-    lat, lon = clustered_points(3000, seed=4, n_clusters=9, spread_m=80_000.0)
-    q_lat, q_lon = uniform_points(common.SLICE_ROWS // 4, seed=6)  # 8 neighbours: 2 slices
-    table = pa.table({"id": np.arange(3000) * 3, "lat": lat, "lon": lon, "w": lat * 2})
-    answers = []
-    for threads in (1, 3):
-        server = server_factory(data_dir=None, answer_threads=threads)
-        with Client(server.target, timeout_s=120) as client:
-            client.upload("pts", table)
-            client.upload(
-                "queries", pa.table({"id": np.arange(q_lat.size), "lat": q_lat, "lon": q_lon})
-            )
-            knn = client.knn("pts", q_lat, q_lon, 8, columns="w", layout=layout, as_arrow=True)
-            join = client.knn_join(
-                "queries", "pts", 8, right_columns="w", layout=layout, as_arrow=True
-            )
-        answers.append((knn, join))
-        server.stop()
-    (knn_one, join_one), (knn_three, join_three) = answers
-    assert knn_one.num_rows == (q_lat.size if layout == "per_query" else q_lat.size * 8)
-    assert knn_three.equals(knn_one) and knn_three.schema.metadata == knn_one.schema.metadata
-    assert join_three.equals(join_one) and join_three.num_rows == knn_one.num_rows
