@@ -28,6 +28,11 @@ most ``--peer-points`` left points (dbscan: points) and their times are scaled t
 as ``geonear bench`` scales its brute-force engines; the row's note says so. A peer
 that is not installed here is skipped with the reason.
 
+The joins and counts make one more call after the timed ones, on a plain stub, and put
+where its time went in the engine's first row's note: the server's stages (its
+``geonear-timing`` trailer: decode, search, assemble, encode) and the client's receiving
+and decoding, ms.
+
 Every engine's answer is checked: joins and filtered KNN against the float64 reference
 (numpy-brute) on the first left points or queries, counts against the reference's at
 the radius -/+ 1 mm, DBSCAN against scikit-learn's clusters (up to relabelling) and
@@ -41,10 +46,12 @@ import gc
 import importlib
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow as pa
 
@@ -83,6 +90,9 @@ from geonear.service.engines import (
     gpu_available,
     runnable_engine_names,
 )
+from geonear.v1 import geonear_pb2 as pb
+from geonear.v1 import geonear_pb2_grpc as pb_grpc
+from geonear.wire import TIMING_KEY, messages_to_table, parse_timing
 
 __all__ = ["ANALYTICS_BENCHES", "run_analytics"]
 
@@ -199,6 +209,12 @@ class AnalyticsBench:
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         raise NotImplementedError
 
+    def staged_request(self) -> tuple[str, Any] | None:
+        """(RPC name, request) of the op's timed call in the rows layout, for one more call
+        whose server stages (the ``geonear-timing`` trailer) go in the first row's notes;
+        None where the op has none to report."""
+        return None
+
     def peers(self) -> list[tuple[str, Callable[[], EngineResult]]]:
         return []
 
@@ -256,6 +272,10 @@ class KnnJoinBench(AnalyticsBench):
 
     def sklearn_peer(self) -> str:
         return "sklearn-balltree"
+
+    def staged_request(self) -> tuple[str, Any]:
+        request = pb.KnnJoinRequest(left_dataset="left", right_dataset="right", k=self.config.k)
+        return "KnnJoin", request
 
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         """Two rows: the answer in the rows layout (``engine``), then in the per-query
@@ -380,6 +400,12 @@ class CountWithinBench(AnalyticsBench):
 
     def sklearn_peer(self) -> str:
         return "sklearn-balltree"
+
+    def staged_request(self) -> tuple[str, Any]:
+        request = pb.CountWithinRequest(
+            dataset="right", left_dataset="left", radius_m=self.radius_m
+        )
+        return "CountWithin", request
 
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         d = self.data
@@ -833,6 +859,9 @@ def _served_rows(bench: AnalyticsBench, engine: str) -> list[EngineResult]:
         ):
             device = client.server_info().device
             rows = bench.served(client, engine)
+            staged = bench.staged_request()
+            if staged is not None and rows:
+                rows[0].notes.append(_stages_note(target, *staged))
     except EngineUnavailable as exc:
         return [EngineResult(engine, status="skipped", reason=str(exc))]
     except geonear.GeoNearError as exc:
@@ -843,6 +872,22 @@ def _served_rows(bench: AnalyticsBench, engine: str) -> list[EngineResult]:
     for row in rows:
         row.device = device
     return rows
+
+
+def _stages_note(target: str, method: str, request: Any) -> str:
+    """One more call of ``method`` on a plain stub: where its time went, the server's
+    stages (its ``geonear-timing`` trailer) and the client's receiving and decoding."""
+    with grpc.insecure_channel(target) as channel:
+        call = getattr(pb_grpc.GeoNearStub(channel), method)(request, timeout=CALL_TIMEOUT_S)
+        start = time.perf_counter()
+        messages = list(call)
+        received = time.perf_counter()
+        messages_to_table(messages)
+        decoded = time.perf_counter()
+        server = parse_timing(dict(call.trailing_metadata() or ()).get(TIMING_KEY, ""))
+    stages = [f"{name} {seconds * 1e3:.1f}" for name, seconds in server.items()]
+    client = f"receive {(received - start) * 1e3:.1f}, decode {(decoded - received) * 1e3:.1f}"
+    return f"one more call, ms: server {', '.join(stages)}; client {client}"
 
 
 def _peer_row(name: str, peer: Callable[[], EngineResult]) -> EngineResult:
