@@ -46,7 +46,6 @@ import gc
 import importlib
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -80,7 +79,7 @@ from geonear.bench.exactness import (
     neighbours_from_rows,
     within_exactness,
 )
-from geonear.bench.served import served_engine
+from geonear.bench.served import received_with_stages, served_engine
 from geonear.geometry import EARTH_RADIUS_M, unit_vectors
 from geonear.service.engines import (
     EngineUnavailable,
@@ -92,7 +91,6 @@ from geonear.service.engines import (
 )
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
-from geonear.wire import TIMING_KEY, messages_to_table, parse_timing
 
 __all__ = ["ANALYTICS_BENCHES", "run_analytics"]
 
@@ -877,17 +875,14 @@ def _served_rows(bench: AnalyticsBench, engine: str) -> list[EngineResult]:
 def _stages_note(target: str, method: str, request: Any) -> str:
     """One more call of ``method`` on a plain stub: where its time went, the server's
     stages (its ``geonear-timing`` trailer) and the client's receiving and decoding."""
+    client: dict[str, float] = {}
     with grpc.insecure_channel(target) as channel:
         call = getattr(pb_grpc.GeoNearStub(channel), method)(request, timeout=CALL_TIMEOUT_S)
-        start = time.perf_counter()
-        messages = list(call)
-        received = time.perf_counter()
-        messages_to_table(messages)
-        decoded = time.perf_counter()
-        server = parse_timing(dict(call.trailing_metadata() or ()).get(TIMING_KEY, ""))
-    stages = [f"{name} {seconds * 1e3:.1f}" for name, seconds in server.items()]
-    client = f"receive {(received - start) * 1e3:.1f}, decode {(decoded - received) * 1e3:.1f}"
-    return f"one more call, ms: server {', '.join(stages)}; client {client}"
+        _, server = received_with_stages(call, client)
+    return "one more call, ms: " + "; ".join(
+        f"{side} " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in stages.items())
+        for side, stages in (("server", server), ("client", client))
+    )
 
 
 def _peer_row(name: str, peer: Callable[[], EngineResult]) -> EngineResult:

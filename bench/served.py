@@ -237,17 +237,24 @@ def _staged_call(
     else:
         call = stub.Knn(pb.KnnRequest(dataset="bench", queries=points, k=config.k))
     client["encode request"] = time.perf_counter() - start
+    table, server = received_with_stages(call, client)
+    mark = time.perf_counter()
+    table.to_pandas()
+    client["to_pandas"] = time.perf_counter() - mark
+    return server, client
+
+
+def received_with_stages(call: Any, client: dict[str, float]) -> tuple[pa.Table, dict[str, float]]:
+    """The answer of a started ArrowData-stream call, with the server's stages (its
+    ``geonear-timing`` trailer); the client's "receive" and "decode Arrow" go in ``client``."""
     mark = time.perf_counter()
     messages = list(call)
     client["receive"] = time.perf_counter() - mark
     mark = time.perf_counter()
     table = messages_to_table(messages)
     client["decode Arrow"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    table.to_pandas()
-    client["to_pandas"] = time.perf_counter() - mark
     server = parse_timing(dict(call.trailing_metadata() or ()).get(TIMING_KEY, ""))
-    return server, client
+    return table, server
 
 
 def run_served(
