@@ -1,9 +1,10 @@
 """How fast one answer's bytes cross loopback gRPC over one stream, or split over several.
 
-``python benchmarks/parallel_streams.py --mb 88 --repeat 3 [--json out.json]``
+``python benchmarks/parallel_streams.py --mib 88 --repeat 3 [--json out.json]``
 
-The transport's ceiling for a big answer: ``--mb`` megabytes (88 MB is a 1M x 1M KNN
-join's answer at k=5 in the per-query layout) go from server processes to this one as
+The transport's ceiling for a big answer: ``--mib`` MiB (88 MiB is a little more than the
+88 MB of a 1M x 1M KNN join's answer at k=5 in the per-query layout) go from server
+processes to this one as
 224 KiB raw-bytes messages (the size of geonear's answer batches). Each server is a
 grpc.aio process of its own (one event loop, as ``geonear serve``) holding the payload;
 a request ``"i/P"`` streams part i of P. The client takes P parts at once, each stream
@@ -38,8 +39,8 @@ GRPC_OPTIONS = [
 METHOD = "/geonear.bench.Streams/Part"
 
 
-def payload_bytes(mb: float) -> int:
-    return int(mb * 1_000_000)
+def payload_bytes(mib: float) -> int:
+    return int(mib * (1 << 20))
 
 
 def part_bounds(size: int, part: int, parts: int) -> tuple[int, int]:
@@ -101,7 +102,7 @@ def transfer(calls: list[Any]) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    size = payload_bytes(args.mb)
+    size = payload_bytes(args.mib)
     servers = [start_server(size) for _ in range(max(STREAMS))]
     rows = []
     try:
@@ -140,11 +141,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             process.wait(10)
             if process.stdout is not None:
                 process.stdout.close()
-    return {"mb": args.mb, "repeat": args.repeat, "grpcio": grpc.__version__, "rows": rows}
+    return {"mib": args.mib, "repeat": args.repeat, "grpcio": grpc.__version__, "rows": rows}
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{report['mb']:g} MB, {report['repeat']} transfers a row (grpcio {report['grpcio']})")
+    print(f"{report['mib']:g} MiB, {report['repeat']} transfers a row (grpcio {report['grpcio']})")
     print("| servers | streams | fastest ms | median ms | GB/s |")
     print("|---:|---:|---:|---:|---:|")
     for row in report["rows"]:
@@ -156,7 +157,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=88.0, help="answer size, MB")
+    parser.add_argument("--mib", type=float, default=88.0, help="answer size, MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed transfers a row")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # a server process
