@@ -680,6 +680,7 @@ class Client:
                 radius_m=radius_m,
                 where=wire_filter,
                 within=wire_area,
+                narrow_integers=True,
             )
             table = self._arrow("CountWithin", request)
             return table if as_arrow else table.to_pandas()
@@ -695,6 +696,7 @@ class Client:
                 radius_m=radius_m,
                 where=wire_filter,
                 within=wire_area,
+                narrow_integers=True,
             )
             part = self._arrow("CountWithin", request)
             if start:
@@ -760,6 +762,7 @@ class Client:
             left_columns=_column_list(left_columns),
             right_columns=_column_list(right_columns),
             layout=_layout(layout),
+            narrow_integers=True,
         )
         table = self._arrow("KnnJoin", request)
         return table if as_arrow else table.to_pandas()
@@ -789,6 +792,7 @@ class Client:
             left_columns=_column_list(left_columns),
             right_columns=_column_list(right_columns),
             layout=_layout(layout),
+            narrow_integers=True,
         )
         table = self._arrow("RadiusJoin", request)
         return table if as_arrow else table.to_pandas()

@@ -12,6 +12,12 @@ of zstd frames inflate to 2 GiB), so a batch whose metadata names a codec is ref
 before its body is touched; gRPC's own compression serves the transport instead. For
 the same reason a batch may not declare more rows than its body can hold.
 
+Integer columns may travel narrower than they are (requests' ``narrow_integers``): the
+server picks, once an answer, the smallest signed integer type that holds every value
+the column can take there (ids in the dataset's range, ranks below k, counts), and
+marks the field with its own type (``WIDE_TYPE_KEY``); :func:`messages_to_table` casts
+such fields back, so the answer read is the same table, in fewer bytes.
+
 The protocol's other small facts that more than one side needs live here too: which
 calls the Python client sends compact (``COMPACT_ROWS``, ``COMPACT_RADIUS_QUERIES``), and
 the ``geonear-timing`` trailer's key and parser (``TIMING_KEY``, :func:`parse_timing`).
@@ -20,7 +26,7 @@ the ``geonear-timing`` trailer's key and parser (``TIMING_KEY``, :func:`parse_ti
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +55,11 @@ COMPACT_RADIUS_QUERIES = 16
 #: header: ``decode;dur=0.41, search;dur=11.9`` (milliseconds; see :func:`parse_timing`).
 TIMING_KEY = "geonear-timing"
 
+
+#: Field metadata of an integer column sent narrower than it is: its own type's name
+#: (``int64``, ``int32``), the type a reader casts it back to (a list's values, for lists).
+WIDE_TYPE_KEY = b"geonear.type"
+_SIGNED = (pa.int8(), pa.int16(), pa.int32(), pa.int64())
 
 #: Writes what the wire carries: record batches with uncompressed bodies.
 WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
@@ -283,11 +294,83 @@ def _decode_dictionaries(table: pa.Table) -> pa.Table:
     return table
 
 
+def narrowest_integer(low: int, high: int) -> pa.DataType:
+    """The smallest signed integer type holding every value from ``low`` to ``high``."""
+    for t in _SIGNED:
+        bits = t.bit_width - 1
+        if -(1 << bits) <= low and high < (1 << bits):
+            return t
+    return pa.int64()
+
+
+def narrowed(table: pa.Table, types: Mapping[str, pa.DataType]) -> pa.Table:
+    """``table`` with each integer column named in ``types`` (or the values of a list
+    column) cast to the type given there, its field marked with its own type for
+    :func:`widened`. The caller's types hold every value (they come from bounds such as
+    the dataset's id range), so the cast does not check each value again."""
+    fields, columns = [], []
+    for field, column in zip(table.schema, table.columns, strict=True):
+        narrow = types.get(field.name)
+        wide = _integer_values(field.type)
+        if narrow is not None and wide is not None and narrow.bit_width < wide.bit_width:
+            field = pa.field(
+                field.name,
+                _with_values(field.type, narrow),
+                field.nullable,
+                {**(field.metadata or {}), WIDE_TYPE_KEY: str(wide).encode()},
+            )
+            column = column.cast(field.type, safe=False)
+        fields.append(field)
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, table.schema.metadata))
+
+
+def widened(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with each field ``narrowed`` marked back in its own type (unmarked)."""
+    fields = []
+    for field in schema:
+        wide = (field.metadata or {}).get(WIDE_TYPE_KEY)
+        if wide is not None:
+            metadata = {k: v for k, v in field.metadata.items() if k != WIDE_TYPE_KEY}
+            try:
+                wide_type = pa.type_for_alias(wide.decode())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise WireError(f"field {field.name!r} names an unknown type {wide!r}") from exc
+            if not (pa.types.is_integer(wide_type) and _integer_values(field.type) is not None):
+                raise WireError(f"field {field.name!r}: {wide!r} is not an integer type")
+            field = pa.field(
+                field.name, _with_values(field.type, wide_type), field.nullable, metadata or None
+            )
+        fields.append(field)
+    return pa.schema(fields, schema.metadata)
+
+
+def _integer_values(t: pa.DataType) -> pa.DataType | None:
+    """The integer type of a column's values (itself, or a list's), else None."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return t if pa.types.is_integer(t) else None
+
+
+def _with_values(t: pa.DataType, values: pa.DataType) -> pa.DataType:
+    """Type ``t`` with ``values`` as its integer type (a list's values, for lists)."""
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(pa.field(t.value_field.name, values, t.value_field.nullable), t.list_size)
+    if pa.types.is_large_list(t):
+        return pa.large_list(pa.field(t.value_field.name, values, t.value_field.nullable))
+    if pa.types.is_list(t):
+        return pa.list_(pa.field(t.value_field.name, values, t.value_field.nullable))
+    return values
+
+
 class BatchDecoder:
-    """Decodes a stream of ArrowData messages, validating each batch against the schema."""
+    """Decodes a stream of ArrowData messages, validating each batch against the schema.
+    ``schema`` is the stream's as sent; ``table_schema`` that with every field sent
+    narrower (``narrowed``) in its own type, to which :func:`messages_to_table` casts."""
 
     def __init__(self) -> None:
         self.schema: pa.Schema | None = None
+        self.table_schema: pa.Schema | None = None
 
     def decode(self, data: pb.ArrowData) -> pa.RecordBatch | None:
         """The message's record batch (None when it carries only the schema)."""
@@ -298,6 +381,7 @@ class BatchDecoder:
                 self.schema = _named_in_utf8(pa.ipc.read_schema(pa.py_buffer(data.schema)))
             except (pa.ArrowException, ValueError, OSError) as exc:
                 raise WireError(f"invalid Arrow schema bytes: {exc}") from exc
+            self.table_schema = widened(self.schema)
             encoded = [f.name for f in self.schema if pa.types.is_dictionary(f.type)]
             if encoded:
                 raise WireError(
@@ -318,12 +402,19 @@ class BatchDecoder:
 
 
 def messages_to_table(messages: Iterable[pb.ArrowData]) -> pa.Table:
-    """Reassemble a table from ArrowData messages (schema first)."""
+    """Reassemble a table from ArrowData messages (schema first), every column in its
+    own type (those sent narrower cast back, a batch at a time as they arrive)."""
     decoder = BatchDecoder()
-    batches = [b for b in (decoder.decode(m) for m in messages) if b is not None]
-    if decoder.schema is None:
+    batches = []
+    for message in messages:
+        batch = decoder.decode(message)
+        if batch is not None:
+            if decoder.table_schema != decoder.schema:
+                batch = batch.cast(decoder.table_schema)
+            batches.append(batch)
+    if decoder.table_schema is None:
         raise WireError("the Arrow stream carried no schema")
-    return pa.Table.from_batches(batches, schema=decoder.schema)
+    return pa.Table.from_batches(batches, schema=decoder.table_schema)
 
 
 def compact_to_table(found: pb.CompactNeighbours) -> pa.Table:

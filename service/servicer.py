@@ -73,6 +73,7 @@ from geonear.wire import (
     ANSWER_BATCH_BYTES,
     BatchDecoder,
     EncodedArrowData,
+    narrowed,
     points_from_message,
     table_to_messages,
     tables_to_encoded,
@@ -687,7 +688,9 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 left=left,
                 limits=self.limits,
             )
-        tables = count_tables(query, self.engine.earth_radius_m, scope.is_active)
+        tables = count_tables(
+            query, self.engine.earth_radius_m, scope.is_active, narrow=request.narrow_integers
+        )
         return _encoded(timing.timed(tables, "search"), timing)
 
     # Joins: the left dataset's points are the queries, searched and sent a slice at a
@@ -701,7 +704,10 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         async for message in stream:
             yield message
 
-    def _knn_join_slices(self, request: pb.KnnJoinRequest, sides: JoinSides) -> Iterator[JoinSlice]:
+    def _knn_join_slices(
+        self, request: pb.KnnJoinRequest, sides: JoinSides
+    ) -> tuple[int, Iterator[JoinSlice]]:
+        """The join's largest rank and its slices (as ``_radius_join_slices``)."""
         join = knn_join(
             sides,
             int(request.k),
@@ -709,23 +715,23 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             points=self._selection(sides.right, request),
             limits=self.limits,
         )
-        return knn_join_slices(join)
+        return int(request.k) - 1, knn_join_slices(join)
 
     def _radius_join_slices(
         self, request: pb.RadiusJoinRequest, sides: JoinSides
-    ) -> Iterator[JoinSlice]:
+    ) -> tuple[int, Iterator[JoinSlice]]:
         join = radius_join(
             sides,
             float(request.radius_m),
             points=self._selection(sides.right, request),
             limits=self.limits,
         )
-        return radius_join_slices(join)
+        return sides.right.rows - 1, radius_join_slices(join)
 
     def _join(
         self,
         request: Any,
-        slices: Callable[..., Iterator[JoinSlice]],
+        slices: Callable[..., tuple[int, Iterator[JoinSlice]]],
         scope: CallScope,
         timing: StageTimes,
     ) -> Iterator[EncodedArrowData]:
@@ -740,17 +746,25 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 else self.store.get(request.right_dataset)
             )
             sides = join_sides(left, right, request.left_columns, request.right_columns)
-            found = slices(request, sides)
-
-        return _encoded(self._assembled(found, layout, scope, timing), timing)
+            max_rank, found = slices(request, sides)
+        types = sides.narrow_types(max_rank) if request.narrow_integers else {}
+        return _encoded(self._assembled(found, layout, scope, timing, types), timing)
 
     def _assembled(
-        self, pieces: Iterator[Any], layout: str, scope: CallScope, timing: StageTimes
+        self,
+        pieces: Iterator[Any],
+        layout: str,
+        scope: CallScope,
+        timing: StageTimes,
+        narrow_types: dict[str, pa.DataType] | None = None,
     ) -> Iterator[pa.Table]:
-        """Each searched slice as a result table; the search stops once the call is over."""
+        """Each searched slice as a result table, its integer columns in ``narrow_types``
+        where given; the search stops once the call is over."""
         for piece in timing.timed(pieces, "search"):
             with timing.stage("assemble"):
                 table = piece.table(self.engine.earth_radius_m, layout)
+                if narrow_types:
+                    table = narrowed(table, narrow_types)
             yield table
             if not scope.is_active():
                 raise Cancelled("the call was cancelled; its search stopped")

@@ -67,6 +67,7 @@ from geonear.service.validation import (
     check_unique_ids,
     shown_name,
 )
+from geonear.wire import narrowest_integer
 
 log = logging.getLogger("geonear.store")
 
@@ -114,6 +115,15 @@ class DatasetVersion:
         if not pa.types.is_integer(self.table.schema.field("id").type):
             return None
         return column_numpy(self.table, "id")
+
+    @functools.cached_property
+    def narrow_id_type(self) -> pa.DataType | None:
+        """The smallest integer type holding every id (answers' ``narrow_integers``);
+        None for string ids or no rows, kept."""
+        ids = self.int_ids
+        if ids is None or ids.shape[0] == 0:
+            return None
+        return narrowest_integer(int(ids.min()), int(ids.max()))
 
     @property
     def id_type(self) -> str:

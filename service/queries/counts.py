@@ -22,6 +22,7 @@ from geonear.service.queries.common import SLICE_ROWS, check_queries, check_resu
 from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
+from geonear.wire import narrowed, narrowest_integer
 
 #: Queries whose counts are sent a table at a time: 2 MB of answer a slice.
 COUNT_SLICE = SLICE_ROWS
@@ -73,28 +74,56 @@ def count_query(
 
 
 def count_tables(
-    query: CountQuery, earth_radius_m: float, is_active: Callable[[], bool] = lambda: True
+    query: CountQuery,
+    earth_radius_m: float,
+    is_active: Callable[[], bool] = lambda: True,
+    *,
+    narrow: bool = False,
 ) -> Iterator[pa.Table]:
     """The answer a slice of queries at a time: query_index (or left_id) and count,
-    counted COUNT_SEARCH queries an engine call."""
+    counted COUNT_SEARCH queries an engine call. ``narrow``: the integer columns travel
+    in the smallest types that hold them (``narrow_integers``), the counts in one that
+    holds the largest of the answer's when one engine call counts them all, else the
+    number of points searched."""
     n = query.n_queries
+    types: dict[str, pa.DataType] = {}
     if n == 0:
-        yield _table(query, 0, 0, np.zeros(0, dtype=np.int64), earth_radius_m)
+        yield _table(query, 0, 0, np.zeros(0, dtype=np.int64), earth_radius_m, types)
         return
     for first in range(0, n, COUNT_SEARCH):
         last = min(n, first + COUNT_SEARCH)
         counts = query.points.index.radius_count(
             query.lat[first:last], query.lon[first:last], query.radius_m
         )
+        if narrow and first == 0:
+            types = _narrow_types(query, int(counts.max()) if last == n else None)
         for start in range(first, last, COUNT_SLICE):
             if not is_active():
                 raise Cancelled("the call was cancelled; its counting stopped")
             stop = min(last, start + COUNT_SLICE)
-            yield _table(query, start, stop, counts[start - first : stop - first], earth_radius_m)
+            yield _table(
+                query, start, stop, counts[start - first : stop - first], earth_radius_m, types
+            )
+
+
+def _narrow_types(query: CountQuery, largest: int | None) -> dict[str, pa.DataType]:
+    """The answer's types with ``narrow``, ``largest`` the largest count where known."""
+    bound = query.points.n_points if largest is None else largest
+    types = {"count": narrowest_integer(0, bound)}
+    if query.left is None:
+        types["query_index"] = narrowest_integer(0, query.n_queries - 1)
+    elif query.left.narrow_id_type is not None:
+        types["left_id"] = query.left.narrow_id_type
+    return types
 
 
 def _table(
-    query: CountQuery, start: int, stop: int, counts: np.ndarray, earth_radius_m: float
+    query: CountQuery,
+    start: int,
+    stop: int,
+    counts: np.ndarray,
+    earth_radius_m: float,
+    types: dict[str, pa.DataType],
 ) -> pa.Table:
     metadata = {
         "geonear.dataset": query.dataset.name,
@@ -110,4 +139,5 @@ def _table(
         metadata["geonear.left_dataset"] = query.left.name
         metadata["geonear.left_version"] = str(query.left.version)
     count = pa.array(np.asarray(counts, dtype=np.int64), type=pa.int64())
-    return pa.table({name: key, "count": count}).replace_schema_metadata(metadata)
+    table = pa.table({name: key, "count": count}).replace_schema_metadata(metadata)
+    return narrowed(table, types) if types else table

@@ -29,6 +29,7 @@ from geonear.service.queries.knn import KnnQuery, knn_query, knn_slices
 from geonear.service.queries.radius import RadiusQuery, radius_query, radius_slices
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
+from geonear.wire import narrowest_integer
 
 #: Columns every join answer has; a requested column of one of these names is suffixed.
 JOIN_COLUMNS = ("left_id", "rank", "right_id", "distance_m")
@@ -49,6 +50,16 @@ class JoinSides:
     right_columns: tuple[str, ...]
     left_names: tuple[str, ...]
     right_names: tuple[str, ...]
+
+    def narrow_types(self, max_rank: int) -> dict[str, pa.DataType]:
+        """The types the answer's integer columns travel in when a request asks for
+        ``narrow_integers``: each side's ids in its dataset's range, ranks up to
+        ``max_rank`` (the attribute columns keep their own)."""
+        types = {"rank": narrowest_integer(0, max(0, max_rank))}
+        for name, dataset in (("left_id", self.left), ("right_id", self.right)):
+            if dataset.narrow_id_type is not None:
+                types[name] = dataset.narrow_id_type
+        return types
 
     def metadata(self, earth_radius_m: float, layout: str) -> dict[str, str]:
         return {

@@ -409,23 +409,25 @@ class KMeansResponse(_message.Message):
     def __init__(self, summary: _Optional[_Union[KMeansSummary, _Mapping]] = ..., labels: _Optional[_Union[ArrowData, _Mapping]] = ...) -> None: ...
 
 class CountWithinRequest(_message.Message):
-    __slots__ = ("dataset", "queries", "left_dataset", "radius_m", "where", "within")
+    __slots__ = ("dataset", "queries", "left_dataset", "radius_m", "where", "within", "narrow_integers")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     WITHIN_FIELD_NUMBER: _ClassVar[int]
+    NARROW_INTEGERS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     queries: Points
     left_dataset: str
     radius_m: float
     where: Filter
     within: Area
-    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
+    narrow_integers: bool
+    def __init__(self, dataset: _Optional[str] = ..., queries: _Optional[_Union[Points, _Mapping]] = ..., left_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., within: _Optional[_Union[Area, _Mapping]] = ..., narrow_integers: _Optional[bool] = ...) -> None: ...
 
 class KnnJoinRequest(_message.Message):
-    __slots__ = ("left_dataset", "right_dataset", "k", "max_distance_m", "where", "left_columns", "right_columns", "layout", "within")
+    __slots__ = ("left_dataset", "right_dataset", "k", "max_distance_m", "where", "left_columns", "right_columns", "layout", "within", "narrow_integers")
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +437,7 @@ class KnnJoinRequest(_message.Message):
     RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WITHIN_FIELD_NUMBER: _ClassVar[int]
+    NARROW_INTEGERS_FIELD_NUMBER: _ClassVar[int]
     left_dataset: str
     right_dataset: str
     k: int
@@ -444,10 +447,11 @@ class KnnJoinRequest(_message.Message):
     right_columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
     within: Area
-    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
+    narrow_integers: bool
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., k: _Optional[int] = ..., max_distance_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ..., narrow_integers: _Optional[bool] = ...) -> None: ...
 
 class RadiusJoinRequest(_message.Message):
-    __slots__ = ("left_dataset", "right_dataset", "radius_m", "where", "left_columns", "right_columns", "layout", "within")
+    __slots__ = ("left_dataset", "right_dataset", "radius_m", "where", "left_columns", "right_columns", "layout", "within", "narrow_integers")
     LEFT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RIGHT_DATASET_FIELD_NUMBER: _ClassVar[int]
     RADIUS_M_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +460,7 @@ class RadiusJoinRequest(_message.Message):
     RIGHT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WITHIN_FIELD_NUMBER: _ClassVar[int]
+    NARROW_INTEGERS_FIELD_NUMBER: _ClassVar[int]
     left_dataset: str
     right_dataset: str
     radius_m: float
@@ -464,7 +469,8 @@ class RadiusJoinRequest(_message.Message):
     right_columns: _containers.RepeatedScalarFieldContainer[str]
     layout: ResultLayout
     within: Area
-    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ...) -> None: ...
+    narrow_integers: bool
+    def __init__(self, left_dataset: _Optional[str] = ..., right_dataset: _Optional[str] = ..., radius_m: _Optional[float] = ..., where: _Optional[_Union[Filter, _Mapping]] = ..., left_columns: _Optional[_Iterable[str]] = ..., right_columns: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ResultLayout, str]] = ..., within: _Optional[_Union[Area, _Mapping]] = ..., narrow_integers: _Optional[bool] = ...) -> None: ...
 
 class DbscanRequest(_message.Message):
     __slots__ = ("dataset", "eps_m", "min_samples", "where", "return_labels", "within")
