@@ -29,7 +29,7 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -303,23 +303,37 @@ def narrowest_integer(low: int, high: int) -> pa.DataType:
     return pa.int64()
 
 
-def narrowed(table: pa.Table, types: Mapping[str, pa.DataType]) -> pa.Table:
+class Narrowing(NamedTuple):
+    """How an integer column travels: in type ``sent``, its own type being ``own``."""
+
+    sent: pa.DataType
+    own: pa.DataType = pa.int64()
+
+
+def narrowed(table: pa.Table, types: Mapping[str, Narrowing]) -> pa.Table:
     """``table`` with each integer column named in ``types`` (or the values of a list
-    column) cast to the type given there, its field marked with its own type for
-    :func:`widened`. The caller's types hold every value (they come from bounds such as
-    the dataset's id range), so the cast does not check each value again."""
+    column) in its ``sent`` type where that is narrower than its ``own``, its field
+    marked with its own type for :func:`widened`. A column may already be in its sent
+    type (ids gathered narrow); others are cast. The caller's types hold every value
+    (they come from bounds such as the dataset's id range), so the cast does not check
+    each value again."""
     fields, columns = [], []
     for field, column in zip(table.schema, table.columns, strict=True):
-        narrow = types.get(field.name)
-        wide = _integer_values(field.type)
-        if narrow is not None and wide is not None and narrow.bit_width < wide.bit_width:
+        how = types.get(field.name)
+        if (
+            how is not None
+            and _integer_values(field.type) is not None
+            and how.sent.bit_width < how.own.bit_width
+        ):
+            sent = _with_values(field.type, how.sent)
+            if column.type != sent:
+                column = column.cast(sent, safe=False)
             field = pa.field(
                 field.name,
-                _with_values(field.type, narrow),
+                sent,
                 field.nullable,
-                {**(field.metadata or {}), WIDE_TYPE_KEY: str(wide).encode()},
+                {**(field.metadata or {}), WIDE_TYPE_KEY: str(how.own).encode()},
             )
-            column = column.cast(field.type, safe=False)
         fields.append(field)
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=pa.schema(fields, table.schema.metadata))
@@ -403,18 +417,13 @@ class BatchDecoder:
 
 def messages_to_table(messages: Iterable[pb.ArrowData]) -> pa.Table:
     """Reassemble a table from ArrowData messages (schema first), every column in its
-    own type (those sent narrower cast back, a batch at a time as they arrive)."""
+    own type (those sent narrower cast back once, after the last message)."""
     decoder = BatchDecoder()
-    batches = []
-    for message in messages:
-        batch = decoder.decode(message)
-        if batch is not None:
-            if decoder.table_schema != decoder.schema:
-                batch = batch.cast(decoder.table_schema)
-            batches.append(batch)
-    if decoder.table_schema is None:
+    batches = [b for b in (decoder.decode(m) for m in messages) if b is not None]
+    if decoder.schema is None or decoder.table_schema is None:
         raise WireError("the Arrow stream carried no schema")
-    return pa.Table.from_batches(batches, schema=decoder.table_schema)
+    table = pa.Table.from_batches(batches, schema=decoder.schema)
+    return table if decoder.table_schema == decoder.schema else table.cast(decoder.table_schema)
 
 
 def compact_to_table(found: pb.CompactNeighbours) -> pa.Table:

@@ -73,6 +73,7 @@ from geonear.wire import (
     ANSWER_BATCH_BYTES,
     BatchDecoder,
     EncodedArrowData,
+    Narrowing,
     narrowed,
     points_from_message,
     table_to_messages,
@@ -756,15 +757,17 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
         layout: str,
         scope: CallScope,
         timing: StageTimes,
-        narrow_types: dict[str, pa.DataType] | None = None,
+        narrow_types: dict[str, Narrowing] | None = None,
     ) -> Iterator[pa.Table]:
         """Each searched slice as a result table, its integer columns in ``narrow_types``
-        where given; the search stops once the call is over."""
+        where given (ids gathered narrow); the search stops once the call is over."""
         for piece in timing.timed(pieces, "search"):
             with timing.stage("assemble"):
-                table = piece.table(self.engine.earth_radius_m, layout)
                 if narrow_types:
-                    table = narrowed(table, narrow_types)
+                    wide = piece.table(self.engine.earth_radius_m, layout, narrow_ids=True)
+                    table = narrowed(wide, narrow_types)
+                else:
+                    table = piece.table(self.engine.earth_radius_m, layout)
             yield table
             if not scope.is_active():
                 raise Cancelled("the call was cancelled; its search stopped")

@@ -125,6 +125,15 @@ class DatasetVersion:
             return None
         return narrowest_integer(int(ids.min()), int(ids.max()))
 
+    @functools.cached_property
+    def narrow_ids(self) -> np.ndarray | None:
+        """The integer ids in ``narrow_id_type`` (None as there), kept: answers sent with
+        narrow integers gather their ids from it, half the bytes of int64 or less."""
+        narrow = self.narrow_id_type
+        if narrow is None or self.int_ids is None:
+            return None
+        return self.int_ids.astype(narrow.to_pandas_dtype(), copy=False)
+
     @property
     def id_type(self) -> str:
         return str(self.table.schema.field("id").type)

@@ -20,6 +20,7 @@ from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import (
     WIDE_TYPE_KEY,
     BatchDecoder,
+    Narrowing,
     WireError,
     messages_to_table,
     narrowed,
@@ -67,14 +68,19 @@ def test_narrowed_columns_read_back_in_their_own_types() -> None:
         }
     ).replace_schema_metadata({"geonear.layout": "rows"})
     types = {
-        "left_id": narrowest_integer(-5_000_000, 1000 * rows),
-        "rank": pa.int8(),
-        "right_id": pa.int16(),
-        "listed": pa.int16(),
-        "distance_m": pa.int8(),  # not an integer column: left as it is
-        "absent": pa.int8(),
+        "left_id": Narrowing(narrowest_integer(-5_000_000, 1000 * rows)),
+        "rank": Narrowing(pa.int8(), pa.int32()),
+        "right_id": Narrowing(pa.int16()),
+        "listed": Narrowing(pa.int16()),
+        "distance_m": Narrowing(pa.int8()),  # not an integer column: left as it is
+        "absent": Narrowing(pa.int8()),
     }
     slices = [narrowed(table.slice(i, 1000), types) for i in range(0, rows, 1000)]
+    # A column already in its sent type (ids gathered narrow) is marked all the same.
+    gathered = table.slice(0, 1000).set_column(
+        0, "left_id", table["left_id"][:1000].cast(pa.int32())
+    )
+    assert narrowed(gathered, types).equals(slices[0], check_metadata=True)
     sent = slices[0].schema
     assert [sent.field(n).type for n in ("left_id", "rank")] == [pa.int32(), pa.int8()]
     assert sent.field("right_id").type == pa.list_(pa.int16(), 3)

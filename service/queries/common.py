@@ -165,14 +165,17 @@ def _metadata(dataset: DatasetVersion, earth_radius_m: float, layout: str) -> di
 
 
 def take_columns(
-    dataset: DatasetVersion, names: Sequence[str], rows: np.ndarray
+    dataset: DatasetVersion, names: Sequence[str], rows: np.ndarray, *, narrow_ids: bool = False
 ) -> dict[str, pa.Array | pa.ChunkedArray]:
     """Columns ``names`` at dataset ``rows``: where the index holds them, else the host
-    table; int64 ids by one NumPy gather of the id column's view."""
+    table; int64 ids by one NumPy gather of the id column's view (``narrow_ids``: of
+    the ids in the dataset's ``narrow_id_type``, for an answer sent narrow)."""
     taken: dict[str, pa.Array | pa.ChunkedArray] = {}
-    ids = dataset.int_ids
+    ids = dataset.narrow_ids if narrow_ids else None
+    if ids is None:
+        ids = dataset.int_ids
     if "id" in names and ids is not None:
-        taken["id"] = pa.array(ids[rows], type=pa.int64())
+        taken["id"] = pa.array(ids[rows])
     for name, degrees in (("lat", dataset.lat), ("lon", dataset.lon)):
         if name in names:
             taken[name] = pa.array(degrees[rows], type=pa.float64())
@@ -232,10 +235,14 @@ class NeighbourRows:
     def ids(self) -> pa.Array | pa.ChunkedArray:
         return take_columns(self.dataset, ("id",), self.rows)["id"]
 
-    def table(self, earth_radius_m: float, layout: str = "rows") -> pa.Table:
+    def table(
+        self, earth_radius_m: float, layout: str = "rows", *, narrow_ids: bool = False
+    ) -> pa.Table:
         """The rows in ``layout``: "rows" gives query_index, rank, id, distance_m, then
-        the requested attributes; "per_query" (needs ``offsets``) one list of each a query."""
-        taken = take_columns(self.dataset, ("id", *self.columns), self.rows)
+        the requested attributes; "per_query" (needs ``offsets``) one list of each a
+        query. ``narrow_ids``: integer ids in the dataset's narrow id type."""
+        names = ("id", *self.columns)
+        taken = take_columns(self.dataset, names, self.rows, narrow_ids=narrow_ids)
         distances = pa.array(self.distances_m, type=pa.float64())
         if layout == "per_query":
             if self.offsets is None:
@@ -295,11 +302,13 @@ class NeighbourGrid:
             self.columns,
         )
 
-    def table(self, earth_radius_m: float, layout: str = "rows") -> pa.Table:
+    def table(
+        self, earth_radius_m: float, layout: str = "rows", *, narrow_ids: bool = False
+    ) -> pa.Table:
         """As ``NeighbourRows.table``; "per_query" gives fixed-size lists of k', null
         where a query has fewer neighbours, without materialising query_index or rank."""
         if layout != "per_query":
-            return self.neighbour_rows().table(earth_radius_m, layout)
+            return self.neighbour_rows().table(earth_radius_m, layout, narrow_ids=narrow_ids)
         n, width = self.indices.shape
         if width == 0:
             # No point searched (a filter that selects none): lists of one null entry,
@@ -319,7 +328,7 @@ class NeighbourGrid:
             schema = self.dataset.table.schema
             taken = {name: pa.nulls(rows.shape[0], schema.field(name).type) for name in names}
         else:
-            taken = take_columns(self.dataset, names, rows)
+            taken = take_columns(self.dataset, names, rows, narrow_ids=narrow_ids)
         data = {"id": taken["id"], "distance_m": pa.array(distances_m.ravel(), mask=mask)}
         for name in self.columns:
             data[name] = taken[name]

@@ -22,7 +22,7 @@ from geonear.service.queries.common import SLICE_ROWS, check_queries, check_resu
 from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
-from geonear.wire import narrowed, narrowest_integer
+from geonear.wire import Narrowing, narrowed, narrowest_integer
 
 #: Queries whose counts are sent a table at a time: 2 MB of answer a slice.
 COUNT_SLICE = SLICE_ROWS
@@ -86,7 +86,7 @@ def count_tables(
     holds the largest of the answer's when one engine call counts them all, else the
     number of points searched."""
     n = query.n_queries
-    types: dict[str, pa.DataType] = {}
+    types: dict[str, Narrowing] = {}
     if n == 0:
         yield _table(query, 0, 0, np.zeros(0, dtype=np.int64), earth_radius_m, types)
         return
@@ -106,14 +106,14 @@ def count_tables(
             )
 
 
-def _narrow_types(query: CountQuery, largest: int | None) -> dict[str, pa.DataType]:
+def _narrow_types(query: CountQuery, largest: int | None) -> dict[str, Narrowing]:
     """The answer's types with ``narrow``, ``largest`` the largest count where known."""
     bound = query.points.n_points if largest is None else largest
-    types = {"count": narrowest_integer(0, bound)}
+    types = {"count": Narrowing(narrowest_integer(0, bound))}
     if query.left is None:
-        types["query_index"] = narrowest_integer(0, query.n_queries - 1)
+        types["query_index"] = Narrowing(narrowest_integer(0, query.n_queries - 1))
     elif query.left.narrow_id_type is not None:
-        types["left_id"] = query.left.narrow_id_type
+        types["left_id"] = Narrowing(query.left.narrow_id_type)
     return types
 
 
@@ -123,7 +123,7 @@ def _table(
     stop: int,
     counts: np.ndarray,
     earth_radius_m: float,
-    types: dict[str, pa.DataType],
+    types: dict[str, Narrowing],
 ) -> pa.Table:
     metadata = {
         "geonear.dataset": query.dataset.name,

@@ -29,7 +29,7 @@ from geonear.service.queries.knn import KnnQuery, knn_query, knn_slices
 from geonear.service.queries.radius import RadiusQuery, radius_query, radius_slices
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
-from geonear.wire import narrowest_integer
+from geonear.wire import Narrowing, narrowest_integer
 
 #: Columns every join answer has; a requested column of one of these names is suffixed.
 JOIN_COLUMNS = ("left_id", "rank", "right_id", "distance_m")
@@ -51,14 +51,14 @@ class JoinSides:
     left_names: tuple[str, ...]
     right_names: tuple[str, ...]
 
-    def narrow_types(self, max_rank: int) -> dict[str, pa.DataType]:
+    def narrow_types(self, max_rank: int) -> dict[str, Narrowing]:
         """The types the answer's integer columns travel in when a request asks for
         ``narrow_integers``: each side's ids in its dataset's range, ranks up to
         ``max_rank`` (the attribute columns keep their own)."""
-        types = {"rank": narrowest_integer(0, max(0, max_rank))}
+        types = {"rank": Narrowing(narrowest_integer(0, max(0, max_rank)), pa.int32())}
         for name, dataset in (("left_id", self.left), ("right_id", self.right)):
             if dataset.narrow_id_type is not None:
-                types[name] = dataset.narrow_id_type
+                types[name] = Narrowing(dataset.narrow_id_type)
         return types
 
     def metadata(self, earth_radius_m: float, layout: str) -> dict[str, str]:
@@ -190,9 +190,12 @@ class JoinSlice:
     first_left: int
     n_left: int
 
-    def table(self, earth_radius_m: float, layout: str = "rows") -> pa.Table:
+    def table(
+        self, earth_radius_m: float, layout: str = "rows", *, narrow_ids: bool = False
+    ) -> pa.Table:
+        """The slice's rows in ``layout`` (``narrow_ids`` as ``NeighbourRows.table``)."""
         sides = self.sides
-        right = self.found.table(earth_radius_m, layout)
+        right = self.found.table(earth_radius_m, layout, narrow_ids=narrow_ids)
         if layout == "per_query":
             left_rows = np.arange(self.first_left, self.first_left + self.n_left)
             data = {"right_id": right.column("id"), "distance_m": right.column("distance_m")}
@@ -203,7 +206,8 @@ class JoinSlice:
                 "right_id": right.column("id"),
                 "distance_m": right.column("distance_m"),
             }
-        taken = take_columns(sides.left, ("id", *sides.left_columns), left_rows)
+        names = ("id", *sides.left_columns)
+        taken = take_columns(sides.left, names, left_rows, narrow_ids=narrow_ids)
         out = {"left_id": taken["id"], **data}
         for name, shown in zip(sides.left_columns, sides.left_names, strict=True):
             out[shown] = taken[name]
