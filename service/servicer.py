@@ -679,7 +679,11 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             if bool(request.left_dataset) == request.HasField("queries"):
                 raise InvalidInput("give query points or a left dataset (one of the two)")
             left = self.store.get(request.left_dataset) if request.left_dataset else None
-            lat, lon = (left.lat, left.lon) if left else points_from_message(request.queries)
+            lat, lon = (
+                left.index.query_degrees(left.lat, left.lon)
+                if left
+                else points_from_message(request.queries)
+            )
             query = count_query(
                 dataset,
                 lat,

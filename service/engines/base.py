@@ -140,6 +140,13 @@ class PointIndex(ABC):
         """
         return None
 
+    def query_degrees(self, lat: np.ndarray, lon: np.ndarray) -> tuple[Any, Any]:
+        """This index's own points (``lat``, ``lon``: its dataset's, in row order) as
+        the query points of a search by another index of the same engine (a join's or
+        a count's left side): the host arrays themselves by default; a device engine
+        gives the device copy it keeps, so that they are not copied again a call."""
+        return lat, lon
+
     @abstractmethod
     def knn(
         self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None = None

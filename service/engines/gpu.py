@@ -389,7 +389,7 @@ class GPUIndex(PointIndex):
         self.rows = cp.empty(n, dtype=cp.int32)
         self._rank: cp.ndarray | None = None
         self._lazy_lock = threading.Lock()  # for the rank and the degrees, made once asked
-        self._degrees: tuple[cp.ndarray, cp.ndarray] | None = None  # for areas, once asked
+        self._degrees: tuple[cp.ndarray, cp.ndarray] | None = None  # once asked (areas, joins)
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
         self.leaf_keys = cp.empty(counts[0], dtype=cp.uint64)  # each leaf's first key
@@ -486,6 +486,20 @@ class GPUIndex(PointIndex):
                 self._rank = rank
             return self._rank
 
+    def query_degrees(self, lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        """The points' degrees on the device (``_kept_degrees``): a join or a count
+        around this dataset's points searches with them, not with 16 bytes a point
+        copied from the host every call."""
+        return self._kept_degrees(lat, lon)
+
+    def _kept_degrees(self, lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        """A device copy of the points' degrees, in row order, made on the first call
+        (16 bytes a point, kept with the index)."""
+        with self._lazy_lock:
+            if self._degrees is None:
+                self._degrees = _degrees_device(lat, lon)
+            return self._degrees
+
     @gpu_memory.out_of_memory_guard("testing points against an area")
     def area_rows(
         self, lat: np.ndarray, lon: np.ndarray, area: Area, rows: np.ndarray | None = None
@@ -496,10 +510,7 @@ class GPUIndex(PointIndex):
         only. With the test on the host, ``within`` of 10M points and 64 edges took
         0.30 s served by this engine against 0.35 s by the cpu engine (an H100 host,
         docs/benchmarks.md): the host's NumPy test was most of both."""
-        with self._lazy_lock:
-            if self._degrees is None:
-                self._degrees = _degrees_device(lat, lon)
-        lat_d, lon_d = self._degrees
+        lat_d, lon_d = self._kept_degrees(lat, lon)
         if rows is None:
             return _to_host(cp.flatnonzero(area_mask(lat_d, lon_d, area, cp))).astype(np.int64)
         rows_d = cp.asarray(rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +51,11 @@ class JoinSides:
     right_columns: tuple[str, ...]
     left_names: tuple[str, ...]
     right_names: tuple[str, ...]
+
+    def queries(self) -> tuple[Any, Any]:
+        """The left points as the search's queries (on the device for a device engine:
+        ``PointIndex.query_degrees``)."""
+        return self.left.index.query_degrees(self.left.lat, self.left.lon)
 
     def narrow_types(self, max_rank: int) -> dict[str, Narrowing]:
         """The types the answer's integer columns travel in when a request asks for
@@ -143,11 +149,11 @@ def knn_join(
 ) -> KnnJoin:
     """A checked KNN join: left rows x min(k, right points searched) result rows at most,
     refused beyond ``max_result_rows`` before the search."""
-    left = sides.left
+    lat, lon = sides.queries()
     query = knn_query(
         sides.right,
-        left.lat,
-        left.lon,
+        lat,
+        lon,
         k,
         max_distance_m=max_distance_m,
         columns=sides.right_columns,
@@ -167,11 +173,11 @@ def radius_join(
 ) -> RadiusJoin:
     """A checked radius join, its pairs counted and refused beyond ``max_result_rows``
     before any is gathered."""
-    left = sides.left
+    lat, lon = sides.queries()
     query = radius_query(
         sides.right,
-        left.lat,
-        left.lon,
+        lat,
+        lon,
         radius_m,
         columns=sides.right_columns,
         points=points,
