@@ -350,8 +350,15 @@ def widened(schema: pa.Schema) -> pa.Schema:
                 wide_type = pa.type_for_alias(wide.decode())
             except (ValueError, UnicodeDecodeError) as exc:
                 raise WireError(f"field {field.name!r} names an unknown type {wide!r}") from exc
-            if not (pa.types.is_integer(wide_type) and _integer_values(field.type) is not None):
+            sent = _integer_values(field.type)
+            if not (pa.types.is_integer(wide_type) and sent is not None):
                 raise WireError(f"field {field.name!r}: {wide!r} is not an integer type")
+            if not (
+                wide_type in _SIGNED and sent in _SIGNED and wide_type.bit_width >= sent.bit_width
+            ):
+                raise WireError(
+                    f"field {field.name!r}: {sent} values cannot be widened to {wide_type}"
+                )
             field = pa.field(
                 field.name, _with_values(field.type, wide_type), field.nullable, metadata or None
             )

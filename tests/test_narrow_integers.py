@@ -110,6 +110,8 @@ def test_narrowed_columns_read_back_in_their_own_types() -> None:
         (pa.field("x", pa.int8(), metadata={WIDE_TYPE_KEY: b"utf8"}), "not an integer"),
         (pa.field("x", pa.float32(), metadata={WIDE_TYPE_KEY: b"int64"}), "not an integer"),
         (pa.field("x", pa.int8(), metadata={WIDE_TYPE_KEY: b"\xff\xfe"}), "unknown type"),
+        (pa.field("x", pa.int64(), metadata={WIDE_TYPE_KEY: b"int8"}), "cannot be widened"),
+        (pa.field("x", pa.uint32(), metadata={WIDE_TYPE_KEY: b"int64"}), "cannot be widened"),
     ],
 )
 def test_a_stream_naming_a_type_that_cannot_be_cast_back_is_refused(

@@ -486,6 +486,7 @@ class GPUIndex(PointIndex):
                 self._rank = rank
             return self._rank
 
+    @gpu_memory.out_of_memory_guard("keeping a dataset's points on the device")
     def query_degrees(self, lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """The points' degrees on the device (``_kept_degrees``): a join or a count
         around this dataset's points searches with them, not with 16 bytes a point
