@@ -207,11 +207,12 @@ class AnalyticsBench:
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         raise NotImplementedError
 
-    def staged_request(self) -> tuple[str, Any] | None:
-        """(RPC name, request) of the op's timed call in the rows layout, for one more call
-        whose server stages (the ``geonear-timing`` trailer) go in the first row's notes;
-        None where the op has none to report."""
-        return None
+    def staged_requests(self) -> list[tuple[str, Any]]:
+        """(RPC name, request) of each of the op's timed calls, as the Python client sends
+        it, in the order of ``served``'s rows: one more call of each, whose server stages
+        (the ``geonear-timing`` trailer) go in that row's notes; none where the op has
+        none to report."""
+        return []
 
     def peers(self) -> list[tuple[str, Callable[[], EngineResult]]]:
         return []
@@ -271,14 +272,25 @@ class KnnJoinBench(AnalyticsBench):
     def sklearn_peer(self) -> str:
         return "sklearn-balltree"
 
-    def staged_request(self) -> tuple[str, Any]:
-        request = pb.KnnJoinRequest(left_dataset="left", right_dataset="right", k=self.config.k)
-        return "KnnJoin", request
+    def staged_requests(self) -> list[tuple[str, Any]]:
+        return [
+            (
+                "KnnJoin",
+                pb.KnnJoinRequest(
+                    left_dataset="left",
+                    right_dataset="right",
+                    k=self.config.k,
+                    layout=layout,
+                    narrow_integers=True,
+                ),
+            )
+            for layout in (pb.ROWS, pb.PER_QUERY)
+        ]
 
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         """Two rows: the answer in the rows layout (``engine``), then in the per-query
-        layout (``engine per_query``: one row a left point, 16 bytes a neighbour instead
-        of 28)."""
+        layout (``engine per_query``: one row a left point, 12 bytes a neighbour instead
+        of 17 with ids below 2^31, the answer's integers sent narrow as the client asks)."""
         d, k = self.data, self.config.k
         row = EngineResult(engine=engine)
         row.build_s = _upload_sides(client, d)
@@ -399,11 +411,11 @@ class CountWithinBench(AnalyticsBench):
     def sklearn_peer(self) -> str:
         return "sklearn-balltree"
 
-    def staged_request(self) -> tuple[str, Any]:
+    def staged_requests(self) -> list[tuple[str, Any]]:
         request = pb.CountWithinRequest(
-            dataset="right", left_dataset="left", radius_m=self.radius_m
+            dataset="right", left_dataset="left", radius_m=self.radius_m, narrow_integers=True
         )
-        return "CountWithin", request
+        return [("CountWithin", request)]
 
     def served(self, client: Any, engine: str) -> list[EngineResult]:
         d = self.data
@@ -857,9 +869,8 @@ def _served_rows(bench: AnalyticsBench, engine: str) -> list[EngineResult]:
         ):
             device = client.server_info().device
             rows = bench.served(client, engine)
-            staged = bench.staged_request()
-            if staged is not None and rows:
-                rows[0].notes.append(_stages_note(target, *staged))
+            for row, staged in zip(rows, bench.staged_requests(), strict=False):
+                row.notes.append(_stages_note(target, *staged))
     except EngineUnavailable as exc:
         return [EngineResult(engine, status="skipped", reason=str(exc))]
     except geonear.GeoNearError as exc:
