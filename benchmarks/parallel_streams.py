@@ -5,7 +5,8 @@
 The transport's ceiling for a big answer: ``--mib`` MiB (88 MiB is a little more than the
 88 MB of a 1M x 1M KNN join's answer at k=5 in the per-query layout) go from server
 processes to this one as
-224 KiB raw-bytes messages (the size of geonear's answer batches). Each server is a
+224 KiB raw-bytes messages (the size of geonear's answer batches when it was recorded;
+512 KiB since). Each server is a
 grpc.aio process of its own (one event loop, as ``geonear serve``) holding the payload;
 a request ``"i/P"`` streams part i of P. The client takes P parts at once, each stream
 on a channel of its own from a thread of its own, with every stream served by one

@@ -4,16 +4,19 @@ glibc serves an allocation of 128 KiB or more with a fresh ``mmap`` and unmaps i
 freed; its dynamic threshold rises only above a size freed before, so a stream of
 same-sized buffers never leaves that path. Two policies follow:
 
-``"server"``: a fixed 256 KiB mmap threshold and a 64 MiB trim threshold. An upload's
-    transient 1 MiB message buffers then have mappings of their own, returned when
-    freed, instead of landing in thread arenas that fragment and never shrink: after a
-    10M-point upload the server holds 67 bytes a point against 192 (docs/benchmarks.md,
-    "Foundation"; 68 with this trim threshold, 67 with glibc's 128 KiB). The server's
-    answers go out in messages below the mmap threshold (``wire.ANSWER_BATCH_BYTES``),
-    which the trim threshold lets reuse the heap's top instead of giving it back and
-    faulting it in again after each message: 28 MB of answer encoded in 17.4 -> 5.1 ms.
+``"server"``: a fixed 768 KiB mmap threshold and a 64 MiB trim threshold. An upload's
+    transient 1 MiB message buffers (the Python client's batches) stay above it: they
+    have mappings of their own, returned when freed, instead of landing in thread
+    arenas that fragment and never shrink. After a 10M-point upload the server holds
+    68 bytes a point, as with a 256 KiB threshold, against 92 with 2 MiB and 192 with
+    glibc's dynamic threshold (docs/benchmarks.md, "Foundation" and "Answer batches of
+    512 KiB"). The server's answers go out in messages below it
+    (``wire.ANSWER_BATCH_BYTES``, 512 KiB), which the trim threshold lets reuse the
+    heap's top instead of giving it back and faulting it in again after each message:
+    a per-query join of 1M x 5 points through the Python client took 773-806 -> 570-608
+    ms on the 2-core host (224 KiB messages under a 256 KiB threshold before).
 ``"client"``: an 8 MiB threshold and a 64 MiB trim threshold. A large answer arrives as
-    message bodies of 224 KiB to 1 MiB that gRPC, protobuf and pyarrow copy into fresh
+    message bodies of 512 KiB to 1 MiB that gRPC, protobuf and pyarrow copy into fresh
     buffers one after another; as mappings, each costs a page fault for every 4 KiB page and an
     ``munmap``, while heap memory, once faulted in, is reused. Measured on the 2-core
     host, a 16 MB answer in 16 messages: the protobuf parse 8.9 -> 0.9 ms and the Arrow
@@ -41,7 +44,7 @@ Policy = Literal["server", "client"]
 
 #: (mmap threshold, trim threshold), bytes.
 POLICIES: dict[str, tuple[int, int]] = {
-    "server": (256 * 1024, 64 << 20),
+    "server": (768 << 10, 64 << 20),
     "client": (8 << 20, 64 << 20),
 }
 #: mallopt's parameter numbers (glibc's malloc.h).
