@@ -22,9 +22,10 @@ each variant side by side, in both of the answer's layouts:
 - arrowdata-preencoded: the same bytes on the wire, written without protobuf objects,
   as the server now writes its answers (``wire.tables_to_encoded``: tag, varint length,
   the ``batch.serialize()`` buffer, row_count, one ``b"".join``), yielded to an
-  identity serializer; the client takes raw bytes, finds the fields by slicing a
-  memoryview and hands pyarrow the record batch without a copy (the same checks as
-  ``geonear.wire.BatchDecoder``). What skipping the protobuf copies would gain.
+  identity serializer; the client takes raw bytes and reads them as the Python client
+  now does (``geonear.wire.messages_to_table`` of bytes: the fields found by slicing,
+  the record batch handed to pyarrow without a copy, the same checks). What skipping
+  the protobuf copies gains.
 - grpc-raw-bytes: the table's Arrow IPC stream, written once when the server starts,
   sent in 1 MiB chunks through identity serializers; the client joins them and reads
   the stream (``geonear.wire.read_ipc_stream``). The floor of grpcio's transport.
@@ -59,7 +60,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -141,73 +141,6 @@ def preencoded_messages(table: pa.Table, batch_bytes: int = wire.BATCH_BYTES) ->
     protobuf objects as the server writes its answers (``wire.tables_to_encoded``: one
     ``b"".join`` of the tags, lengths and the Arrow buffers a message)."""
     return (message.data for message in wire.tables_to_encoded([table], batch_bytes))
-
-
-@dataclass(frozen=True)
-class RawArrowData:
-    """An ArrowData's fields as views of the received bytes (no copies)."""
-
-    schema: pa.Buffer | bytes = b""
-    record_batch: pa.Buffer | bytes = b""
-    row_count: int = 0
-
-
-def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise wire.WireError("invalid ArrowData: a varint runs past the message")
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def parse_arrowdata(data: bytes) -> RawArrowData:
-    """An ArrowData message's fields from its wire format, by slicing: the schema and the
-    record batch are pyarrow buffers over ``data`` itself; unknown fields are skipped."""
-    view = memoryview(data)
-    fields: dict[int, Any] = {}
-    at = 0
-    while at < len(view):
-        key, at = _read_varint(view, at)
-        number, kind = key >> 3, key & 7
-        if kind == 2:
-            size, at = _read_varint(view, at)
-            if at + size > len(view):
-                raise wire.WireError("invalid ArrowData: a field runs past the message")
-            fields[number] = pa.py_buffer(view[at : at + size])
-            at += size
-        elif kind == 0:
-            fields[number], at = _read_varint(view, at)
-        elif kind in (1, 5):
-            at += 8 if kind == 1 else 4
-        else:
-            raise wire.WireError(f"invalid ArrowData: wire type {kind}")
-    rows = fields.get(3, 0)
-    if not isinstance(rows, int) or isinstance(fields.get(1, b""), int):
-        raise wire.WireError("invalid ArrowData: a field of the wrong wire type")
-    return RawArrowData(
-        schema=fields.get(1, b""),
-        record_batch=fields.get(2, b""),
-        row_count=rows - (1 << 64) if rows >= 1 << 63 else rows,
-    )
-
-
-def raw_messages_to_table(messages: Iterator[bytes]) -> pa.Table:
-    """``wire.messages_to_table`` for serialized ArrowData, without protobuf objects: the
-    same decoder and checks, given views of the received bytes."""
-    decoder = wire.BatchDecoder()
-    batches = []
-    for data in messages:
-        batch = decoder.decode(parse_arrowdata(data))  # type: ignore[arg-type]
-        if batch is not None:
-            batches.append(batch)
-    if decoder.schema is None:
-        raise wire.WireError("the Arrow stream carried no schema")
-    return pa.Table.from_batches(batches, schema=decoder.schema)
 
 
 def check_preencoded(table: pa.Table, batch_bytes: int = wire.BATCH_BYTES) -> dict[str, Any]:
@@ -361,7 +294,7 @@ def grpc_client(variant: str, port: int) -> tuple[Transfer, Callable[[], None]]:
         call = channel.unary_stream(method)
 
         def transfer(layout: str) -> tuple[pa.Table, int]:
-            return raw_messages_to_table(call(layout.encode())), 0
+            return wire.messages_to_table(call(layout.encode())), 0
 
     else:
         call = channel.unary_stream(method)

@@ -214,6 +214,25 @@ def open_channel(
     return channel
 
 
+def _arrow_calls(channel: grpc.Channel) -> dict[str, Any]:
+    """Each GeoNear RPC that answers with an ArrowData stream, by name, its messages
+    given as received (bytes), which ``messages_to_table`` reads without a protobuf
+    parse: no copy of the answer's bytes on the way in."""
+    service = pb.DESCRIPTOR.services_by_name["GeoNear"]
+    calls: dict[str, Any] = {}
+    for method in service.methods:
+        if not method.server_streaming or method.output_type is not pb.ArrowData.DESCRIPTOR:
+            continue
+        request = getattr(pb, method.input_type.name)
+        make = channel.stream_stream if method.client_streaming else channel.unary_stream
+        calls[method.name] = make(
+            f"/{service.full_name}/{method.name}",
+            request_serializer=request.SerializeToString,
+            response_deserializer=None,
+        )
+    return calls
+
+
 class Client:
     """A connection to a geonear server.
 
@@ -266,6 +285,7 @@ class Client:
             server_name=server_name,
         )
         self._stub = pb_grpc.GeoNearStub(self._channel)
+        self._arrow_calls = _arrow_calls(self._channel)
         self._on_close: list[Any] = []
         self._closed = False
         #: True when this client started the server it talks to (``geonear.connect()``).
@@ -330,7 +350,7 @@ class Client:
     def _arrow(self, method: str, request: Any) -> pa.Table:
         """The Arrow stream answering ``request``, decoded message by message."""
         try:
-            return messages_to_table(getattr(self._stub, method)(request, timeout=self.timeout_s))
+            return messages_to_table(self._arrow_calls[method](request, timeout=self.timeout_s))
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 
@@ -482,9 +502,9 @@ class Client:
         if streamed:
             more = type(first)
             request = itertools.chain([first], (more(queries=p) for p in parts))
-        stub = getattr(self._stub, method + "Stream" if streamed else method)
+        call = self._arrow_calls[method + "Stream" if streamed else method]
         try:
-            return messages_to_table(stub(request, timeout=self.timeout_s))
+            return messages_to_table(call(request, timeout=self.timeout_s))
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 

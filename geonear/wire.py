@@ -262,6 +262,60 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+class ArrowDataView(NamedTuple):
+    """An ArrowData message's fields read from its wire format (:func:`read_arrowdata`):
+    the schema and the record batch as pyarrow buffers over the received bytes."""
+
+    schema: pa.Buffer | bytes = b""
+    record_batch: pa.Buffer | bytes = b""
+    row_count: int = 0
+
+
+def read_arrowdata(data: bytes) -> ArrowDataView:
+    """An ArrowData message's fields, found by slicing its wire format rather than by a
+    protobuf parse, which copies each field into bytes of its own (the reader's side of
+    :func:`tables_to_encoded`). Unknown fields are skipped, as protobuf skips them; a
+    field in the wrong wire type or running past the message raises WireError."""
+    view = memoryview(data)
+    fields: dict[int, pa.Buffer | int] = {}
+    at = 0
+    while at < len(view):
+        key, at = _read_varint(view, at)
+        number, kind = key >> 3, key & 7
+        if kind == 2:
+            size, at = _read_varint(view, at)
+            if at + size > len(view):
+                raise WireError("invalid ArrowData: a field runs past the message")
+            fields[number] = pa.py_buffer(view[at : at + size])
+            at += size
+        elif kind == 0:
+            fields[number], at = _read_varint(view, at)
+        elif kind in (1, 5):
+            at += 8 if kind == 1 else 4
+            if at > len(view):
+                raise WireError("invalid ArrowData: a field runs past the message")
+        else:
+            raise WireError(f"invalid ArrowData: wire type {kind}")
+    schema, batch, rows = fields.get(1, b""), fields.get(2, b""), fields.get(3, 0)
+    if isinstance(schema, int) or isinstance(batch, int) or not isinstance(rows, int):
+        raise WireError("invalid ArrowData: a field of the wrong wire type")
+    # int64 row_count: a varint holds its two's complement in 64 bits.
+    return ArrowDataView(schema, batch, rows - (1 << 64) if rows >= 1 << 63 else rows)
+
+
+def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise WireError("invalid ArrowData: a varint runs past the message")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
 def _stream_parts(
     tables: Iterable[pa.Table], batch_bytes: int
 ) -> Iterator[tuple[pa.Buffer | None, pa.Buffer | None, int]]:
@@ -394,7 +448,7 @@ class BatchDecoder:
         self.schema: pa.Schema | None = None
         self.table_schema: pa.Schema | None = None
 
-    def decode(self, data: pb.ArrowData) -> pa.RecordBatch | None:
+    def decode(self, data: pb.ArrowData | ArrowDataView) -> pa.RecordBatch | None:
         """The message's record batch (None when it carries only the schema)."""
         if data.schema:
             if self.schema is not None:
@@ -423,11 +477,13 @@ class BatchDecoder:
         return batch
 
 
-def messages_to_table(messages: Iterable[pb.ArrowData]) -> pa.Table:
+def messages_to_table(messages: Iterable[pb.ArrowData | bytes]) -> pa.Table:
     """Reassemble a table from ArrowData messages (schema first), every column in its
-    own type (those sent narrower cast back once, after the last message)."""
+    own type (those sent narrower cast back once, after the last message). A message
+    may be its wire format as received (bytes), read without copying its batch."""
     decoder = BatchDecoder()
-    batches = [b for b in (decoder.decode(m) for m in messages) if b is not None]
+    views = (read_arrowdata(m) if isinstance(m, bytes) else m for m in messages)
+    batches = [b for b in (decoder.decode(m) for m in views) if b is not None]
     if decoder.schema is None or decoder.table_schema is None:
         raise WireError("the Arrow stream carried no schema")
     table = pa.Table.from_batches(batches, schema=decoder.schema)

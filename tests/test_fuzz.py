@@ -8,6 +8,7 @@ file runs in well under a minute.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
 from collections.abc import Callable, Iterator
@@ -16,12 +17,21 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
-from geonear.wire import BatchDecoder, WireError, ipc_stream_bytes, points_from_message
+from geonear.wire import (
+    BatchDecoder,
+    WireError,
+    ipc_stream_bytes,
+    messages_to_table,
+    points_from_message,
+    read_arrowdata,
+    tables_to_encoded,
+)
 
 #: Statuses an input may earn: the documented ones. UNKNOWN and INTERNAL mean a bug.
 EXPECTED = {
@@ -98,6 +108,47 @@ def test_the_batch_decoder_refuses_or_fully_validates_every_mutation() -> None:
         accepted += 1
     assert refused > DECODER_MUTATIONS // 2
     assert accepted + refused == DECODER_MUTATIONS
+
+
+def test_arrowdata_read_by_hand_is_refused_or_matches_protobuf() -> None:
+    """The client reads an answer's ArrowData messages from their wire format: a mutated
+    message is refused with WireError, or read as protobuf reads it and then decoded
+    (or refused) by the same checks."""
+    table = _sample_table()
+    (message,) = (m.data for m in tables_to_encoded([table]))
+    assert messages_to_table([message]).equals(table)
+    rng = random.Random(99)
+    mutated = _mutations(message, rng)
+    hand_refused = 0
+    for _ in range(DECODER_MUTATIONS // 3):
+        data = next(mutated)
+        try:
+            view = read_arrowdata(data)
+        except WireError:
+            hand_refused += 1
+            continue
+        try:
+            parsed = pb.ArrowData.FromString(data)
+        except DecodeError:  # protobuf refuses more (field numbers): a stricter reader
+            continue
+        assert (bytes(view.schema), bytes(view.record_batch), view.row_count) == (
+            parsed.schema,
+            parsed.record_batch,
+            parsed.row_count,
+        )
+        with contextlib.suppress(WireError):
+            messages_to_table([data]).validate(full=True)
+    assert hand_refused > 0
+
+
+def test_arrowdata_fields_of_the_wrong_wire_type_are_refused() -> None:
+    # Field 1 (schema) as a varint; field 3 (row_count) as bytes; wire type 3 (a group).
+    for data in (b"\x08\x01", b"\x1a\x01x", b"\x0b"):
+        with pytest.raises(WireError):
+            read_arrowdata(data)
+    # Unknown fields are skipped, as protobuf skips them; row_count is an int64.
+    view = read_arrowdata(b"\x20\x05\x29" + bytes(8) + b"\x18" + b"\xff" * 9 + b"\x01")
+    assert (view.schema, view.record_batch, view.row_count) == (b"", b"", -1)
 
 
 def test_query_point_bytes_are_refused_or_read_whole() -> None:
