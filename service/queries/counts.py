@@ -134,7 +134,12 @@ def _table(
         key = pa.array(np.arange(start, stop, dtype=np.int64))
         name = "query_index"
     else:
-        key = query.left.table.column("id").slice(start, stop - start)
+        narrow_ids = query.left.narrow_ids if "left_id" in types else None
+        key = (
+            pa.array(narrow_ids[start:stop])  # a view of the kept narrow ids, no cast
+            if narrow_ids is not None
+            else query.left.table.column("id").slice(start, stop - start)
+        )
         name = "left_id"
         metadata["geonear.left_dataset"] = query.left.name
         metadata["geonear.left_version"] = str(query.left.version)
