@@ -165,11 +165,16 @@ def _metadata(dataset: DatasetVersion, earth_radius_m: float, layout: str) -> di
 
 
 def take_columns(
-    dataset: DatasetVersion, names: Sequence[str], rows: np.ndarray, *, narrow_ids: bool = False
+    dataset: DatasetVersion,
+    names: Sequence[str],
+    rows: np.ndarray | slice,
+    *,
+    narrow_ids: bool = False,
 ) -> dict[str, pa.Array | pa.ChunkedArray]:
     """Columns ``names`` at dataset ``rows``: where the index holds them, else the host
     table; int64 ids by one NumPy gather of the id column's view (``narrow_ids``: of
-    the ids in the dataset's ``narrow_id_type``, for an answer sent narrow)."""
+    the ids in the dataset's ``narrow_id_type``, for an answer sent narrow). ``rows`` a
+    slice (consecutive rows): ids and degrees are views, no gather."""
     taken: dict[str, pa.Array | pa.ChunkedArray] = {}
     ids = dataset.narrow_ids if narrow_ids else None
     if ids is None:
@@ -180,11 +185,13 @@ def take_columns(
         if name in names:
             taken[name] = pa.array(degrees[rows], type=pa.float64())
     wanted = [name for name in names if name not in taken]
-    if wanted:
-        taken.update(dataset.index.take_columns(wanted, rows))
+    if not wanted:
+        return taken
+    at_rows = np.arange(dataset.rows)[rows] if isinstance(rows, slice) else rows
+    taken.update(dataset.index.take_columns(wanted, at_rows))
     rest = [name for name in wanted if name not in taken]
     if rest:
-        at = pa.array(rows, type=pa.int64())
+        at = pa.array(at_rows, type=pa.int64())
         for name in rest:
             taken[name] = dataset.table.column(name).take(at)
     return taken

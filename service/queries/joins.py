@@ -203,7 +203,7 @@ class JoinSlice:
         sides = self.sides
         right = self.found.table(earth_radius_m, layout, narrow_ids=narrow_ids)
         if layout == "per_query":
-            left_rows = np.arange(self.first_left, self.first_left + self.n_left)
+            left_rows: np.ndarray | slice = slice(self.first_left, self.first_left + self.n_left)
             data = {"right_id": right.column("id"), "distance_m": right.column("distance_m")}
         else:
             left_rows = right.column("query_index").to_numpy()
