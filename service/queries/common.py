@@ -174,7 +174,7 @@ def take_columns(
     """Columns ``names`` at dataset ``rows``: where the index holds them, else the host
     table; int64 ids by one NumPy gather of the id column's view (``narrow_ids``: of
     the ids in the dataset's ``narrow_id_type``, for an answer sent narrow). ``rows`` a
-    slice (consecutive rows): ids and degrees are views, no gather."""
+    slice (consecutive rows): every column is a view, no gather."""
     taken: dict[str, pa.Array | pa.ChunkedArray] = {}
     ids = dataset.narrow_ids if narrow_ids else None
     if ids is None:
@@ -185,13 +185,16 @@ def take_columns(
         if name in names:
             taken[name] = pa.array(degrees[rows], type=pa.float64())
     wanted = [name for name in names if name not in taken]
-    if not wanted:
+    if isinstance(rows, slice):
+        start, stop, _ = rows.indices(dataset.rows)
+        for name in wanted:
+            taken[name] = dataset.table.column(name).slice(start, stop - start)
         return taken
-    at_rows = np.arange(dataset.rows)[rows] if isinstance(rows, slice) else rows
-    taken.update(dataset.index.take_columns(wanted, at_rows))
+    if wanted:
+        taken.update(dataset.index.take_columns(wanted, rows))
     rest = [name for name in wanted if name not in taken]
     if rest:
-        at = pa.array(at_rows, type=pa.int64())
+        at = pa.array(rows, type=pa.int64())
         for name in rest:
             taken[name] = dataset.table.column(name).take(at)
     return taken

@@ -18,7 +18,12 @@ import pyarrow as pa
 
 from geonear.service.engines import Capability, require
 from geonear.service.errors import Cancelled, InvalidInput
-from geonear.service.queries.common import SLICE_ROWS, check_queries, check_result_rows
+from geonear.service.queries.common import (
+    SLICE_ROWS,
+    check_queries,
+    check_result_rows,
+    take_columns,
+)
 from geonear.service.queries.filters import PointSelection, all_points
 from geonear.service.settings import Limits
 from geonear.service.store import DatasetVersion
@@ -134,12 +139,9 @@ def _table(
         key = pa.array(np.arange(start, stop, dtype=np.int64))
         name = "query_index"
     else:
-        narrow_ids = query.left.narrow_ids if "left_id" in types else None
-        key = (
-            pa.array(narrow_ids[start:stop])  # a view of the kept narrow ids, no cast
-            if narrow_ids is not None
-            else query.left.table.column("id").slice(start, stop - start)
-        )
+        # A view of the ids (the kept narrow ones when sent narrow): no cast, no gather.
+        rows = slice(start, stop)
+        key = take_columns(query.left, ("id",), rows, narrow_ids="left_id" in types)["id"]
         name = "left_id"
         metadata["geonear.left_dataset"] = query.left.name
         metadata["geonear.left_version"] = str(query.left.version)
