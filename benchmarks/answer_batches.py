@@ -37,20 +37,16 @@ import pyarrow as pa
 
 import geonear
 from geonear.bench.served import served_process
+from geonear.loaders.synthetic import uniform_points
 from geonear.wire import ANSWER_BATCH_BYTES
 
 K = 5
 
 
-def uniform_points(n: int, seed: int) -> pa.Table:
-    rng = np.random.default_rng(seed)
-    return pa.table(
-        {
-            "id": np.arange(n, dtype=np.int64),
-            "lat": np.degrees(np.arcsin(rng.uniform(-1.0, 1.0, n))),
-            "lon": rng.uniform(-180.0, 180.0, n),
-        }
-    )
+def point_table(n: int, seed: int) -> pa.Table:
+    """``n`` points uniform on the sphere, ids 0 to n - 1."""
+    lat, lon = uniform_points(n, seed)
+    return pa.table({"id": np.arange(n, dtype=np.int64), "lat": lat, "lon": lon})
 
 
 def server_env(mmap_threshold: int | None) -> dict[str, str]:
@@ -74,8 +70,8 @@ def time_join(points: int, repeat: int, env: dict[str, str]) -> list[dict[str, A
     rows = []
     with served_process("cpu", settings=env) as server:
         client = geonear.connect(server.target)
-        client.upload("left", uniform_points(points, 0))
-        client.upload("right", uniform_points(K, 1))
+        client.upload("left", point_table(points, 0))
+        client.upload("right", point_table(K, 1))
         for layout in ("per_query", "rows"):
             times = []
             for i in range(repeat + 1):
@@ -103,7 +99,7 @@ def resident_bytes(pid: int) -> int:
 
 
 def upload_growth(points: int, env: dict[str, str]) -> dict[str, Any]:
-    table = uniform_points(points, 2)
+    table = point_table(points, 2)
     with served_process("cpu", settings=env) as server:
         client = geonear.connect(server.target)
         before = resident_bytes(server.pid)
