@@ -479,15 +479,21 @@ class BatchDecoder:
 
 def messages_to_table(messages: Iterable[pb.ArrowData | bytes]) -> pa.Table:
     """Reassemble a table from ArrowData messages (schema first), every column in its
-    own type (those sent narrower cast back once, after the last message). A message
-    may be its wire format as received (bytes), read without copying its batch."""
+    own type: a batch with columns sent narrower is cast back as it arrives, while
+    gRPC receives the next messages, rather than the whole table after the last one.
+    A message may be its wire format as received (bytes), read without copying its
+    batch."""
     decoder = BatchDecoder()
-    views = (read_arrowdata(m) if isinstance(m, bytes) else m for m in messages)
-    batches = [b for b in (decoder.decode(m) for m in views) if b is not None]
+    batches = []
+    for message in messages:
+        view = read_arrowdata(message) if isinstance(message, bytes) else message
+        batch = decoder.decode(view)
+        if batch is not None:
+            widen = decoder.table_schema != decoder.schema
+            batches.append(batch.cast(decoder.table_schema) if widen else batch)
     if decoder.schema is None or decoder.table_schema is None:
         raise WireError("the Arrow stream carried no schema")
-    table = pa.Table.from_batches(batches, schema=decoder.schema)
-    return table if decoder.table_schema == decoder.schema else table.cast(decoder.table_schema)
+    return pa.Table.from_batches(batches, schema=decoder.table_schema)
 
 
 def compact_to_table(found: pb.CompactNeighbours) -> pa.Table:
