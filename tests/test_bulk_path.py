@@ -324,6 +324,44 @@ def test_encoded_messages_are_the_protobuf_messages_bytes(rows: int) -> None:
     assert decoded.equals(table) and decoded.schema.metadata == table.schema.metadata
 
 
+def test_made_ahead_makes_one_item_ahead_on_another_thread() -> None:
+    """made_ahead keeps the order, makes the next item on a thread of its own (one ahead
+    at most), raises an item's error at that item, and closing it early closes the
+    source once the item in flight is made."""
+    made: list[tuple[int, str]] = []
+    closed = threading.Event()
+
+    def items(fail_at: int | None = None):
+        try:
+            for i in range(5):
+                if i == fail_at:
+                    raise ValueError(f"item {i}")
+                made.append((i, threading.current_thread().name))
+                yield i
+        finally:
+            closed.set()
+
+    seen = []
+    for item in common.made_ahead(items()):
+        assert len(made) <= len(seen) + 2  # this item and the next one
+        seen.append(item)
+    assert seen == [0, 1, 2, 3, 4] and closed.is_set()
+    assert all(name.startswith("geonear-ahead") for _, name in made)
+
+    made.clear()
+    closed.clear()
+    ahead = common.made_ahead(items())
+    assert next(ahead) == 0
+    ahead.close()
+    assert closed.is_set() and [i for i, _ in made] in ([0], [0, 1])
+
+    with pytest.raises(ValueError, match="item 2"):
+        seen = []
+        for item in common.made_ahead(items(fail_at=2)):
+            seen.append(item)
+    assert seen == [0, 1]
+
+
 def test_the_next_slice_is_searched_while_this_one_is_used() -> None:
     """searched_ahead keeps the order, runs one search ahead at most (on another thread),
     waits for it when closed early, and passes a search's error on at its slice."""

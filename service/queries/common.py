@@ -97,20 +97,29 @@ def searched_ahead(
     one searched on a thread of its own while the caller works on this one (assembles
     and encodes it): one search ahead at most, so a call holds two searches' answers.
     Closing the iterator early waits for the search in flight."""
-    if len(bounds) <= 1:
-        for start, stop in bounds:
-            yield start, stop, search(start, stop)
-        return
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geonear-search")
+    searched = ((start, stop, search(start, stop)) for start, stop in bounds)
+    return searched if len(bounds) <= 1 else made_ahead(searched)
+
+
+def made_ahead(items: Iterator[T]) -> Iterator[T]:
+    """The items, the next one made on a thread of its own while the caller works on
+    this one: one ahead at most. Closing early waits for the item in flight and closes
+    ``items``."""
+    done = object()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geonear-ahead")
     try:
-        pending = pool.submit(search, *bounds[0])
-        for i, (start, stop) in enumerate(bounds):
-            found = pending.result()
-            if i + 1 < len(bounds):
-                pending = pool.submit(search, *bounds[i + 1])
-            yield start, stop, found
+        pending = pool.submit(next, items, done)
+        while True:
+            item = pending.result()
+            if item is done:
+                return
+            pending = pool.submit(next, items, done)
+            yield item  # type: ignore[misc]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 def counted_slices(counts: np.ndarray) -> list[tuple[int, int]]:
