@@ -26,12 +26,7 @@ from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
 from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
-from geonear.service.queries.common import (
-    NeighbourGrid,
-    NeighbourRows,
-    label_tables,
-    made_ahead,
-)
+from geonear.service.queries.common import NeighbourGrid, NeighbourRows, label_tables
 from geonear.service.queries.counts import count_query, count_tables
 from geonear.service.queries.filters import (
     OPS,
@@ -505,7 +500,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             raise InvalidInput(f"unknown result layout {first.layout}")
         dataset = self.store.get(first.dataset)
 
-        def tables(timing: StageTimes) -> Iterator[pa.Table]:
+        def tables() -> Iterator[pa.Table]:
             offset, points = 0, first.queries
             while points is not None:
                 with timing.stage("decode"):
@@ -514,9 +509,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
                 offset += n_queries
                 points = _more_points(next(requests, None))
 
-        # As a join's (``_join``): made a slice ahead of its encoding.
-        ahead = StageTimes()
-        return timing.merged_after(_encoded(made_ahead(tables(ahead)), timing), ahead)
+        return _encoded(tables(), timing)
 
     async def KnnCompact(self, request, context):
         scope = CallScope(context)
@@ -760,11 +753,7 @@ class GeoNearServicer(pb_grpc.GeoNearServicer):
             sides = join_sides(left, right, request.left_columns, request.right_columns)
             max_rank, found = slices(request, sides)
         types = sides.narrow_types(max_rank) if request.narrow_integers else {}
-        # Each slice is searched and assembled on a thread of its own, one ahead of its
-        # encoding here, its stages timed there and added to the call's at the end.
-        ahead = StageTimes()
-        tables = made_ahead(self._assembled(found, layout, scope, ahead, types))
-        return timing.merged_after(_encoded(tables, timing), ahead)
+        return _encoded(self._assembled(found, layout, scope, timing, types), timing)
 
     def _assembled(
         self,

@@ -63,15 +63,6 @@ class StageTimes:
                 self.add(name, elapsed)
             yield item
 
-    def merged_after(self, items: Iterable[T], other: StageTimes) -> Iterator[T]:
-        """The items; once they are done, ``other``'s stages (timed on another thread
-        meanwhile) added to these."""
-        try:
-            yield from items
-        finally:
-            for name, seconds in other.seconds.items():
-                self.add(name, seconds)
-
     def header(self) -> str:
         """The trailer's value: ``name;dur=MS`` entries, comma-separated."""
         return ", ".join(f"{name};dur={s * 1e3:.3f}" for name, s in self.seconds.items())

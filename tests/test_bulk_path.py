@@ -346,7 +346,7 @@ def test_made_ahead_makes_one_item_ahead_on_another_thread() -> None:
         assert len(made) <= len(seen) + 2  # this item and the next one
         seen.append(item)
     assert seen == [0, 1, 2, 3, 4] and closed.is_set()
-    assert all(name.startswith("geonear-ahead") for _, name in made)
+    assert all(name.startswith("geonear-search") for _, name in made)
 
     made.clear()
     closed.clear()

@@ -106,7 +106,7 @@ def made_ahead(items: Iterator[T]) -> Iterator[T]:
     this one: one ahead at most. Closing early waits for the item in flight and closes
     ``items``."""
     done = object()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geonear-ahead")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geonear-search")
     try:
         pending = pool.submit(next, items, done)
         while True:
