@@ -502,11 +502,7 @@ class Client:
         if streamed:
             more = type(first)
             request = itertools.chain([first], (more(queries=p) for p in parts))
-        call = self._arrow_calls[method + "Stream" if streamed else method]
-        try:
-            return messages_to_table(call(request, timeout=self.timeout_s))
-        except grpc.RpcError as exc:
-            raise self._error(exc) from exc
+        return self._arrow(method + "Stream" if streamed else method, request)
 
     def knn(
         self,
