@@ -6,6 +6,7 @@ reference engine on the same points.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -19,13 +20,16 @@ import pytest
 from geonear import wire
 from geonear.clients import client as client_module
 from geonear.clients.client import Client
-from geonear.geometry import great_circle_m
+from geonear.geometry import EARTH_RADIUS_M, great_circle_m
 from geonear.loaders.synthetic import clustered_points, uniform_points
 from geonear.service import servicer as servicer_module
 from geonear.service.engines import create_engine, gpu_available
-from geonear.service.engines.cpu import CPUEngine
+from geonear.service.engines.cpu import CPUEngine, KDTreeIndex
 from geonear.service.queries import common
 from geonear.service.queries import matrix as matrix_module
+from geonear.service.queries.joins import join_sides, knn_join, knn_join_slices
+from geonear.service.settings import Limits
+from geonear.service.store import DatasetStore
 from geonear.v1 import geonear_pb2 as pb
 from geonear.v1 import geonear_pb2_grpc as pb_grpc
 from geonear.wire import TIMING_KEY, messages_to_table, parse_timing, points_to_message
@@ -401,3 +405,55 @@ def test_the_next_slice_is_searched_while_this_one_is_used() -> None:
             got.append(start)
     assert got == [0, 3]
     assert [s for s, _, _ in common.searched_ahead([(0, 4)], failing)] == [0]
+
+
+class _GatheringIndex(KDTreeIndex):
+    """The cpu engine's index, gathering each neighbour's id where it searches, as the
+    GPU engine does on the device (``knn_with_ids``): the answer tables must be the
+    ones made from the rows. Where a row is -1 its gathered id is any id."""
+
+    calls = 0
+
+    def knn_with_ids(self, lat, lon, k, max_distance_m, ids):
+        found = self.knn(lat, lon, k, max_distance_m)
+        type(self).calls += 1
+        return dataclasses.replace(found, ids=ids[np.maximum(found.indices, 0)])
+
+
+class _GatheringEngine(CPUEngine):
+    def build_index(self, lat: np.ndarray, lon: np.ndarray) -> KDTreeIndex:
+        return _GatheringIndex(lat, lon, self.earth_radius_m, self.workers)
+
+
+@pytest.mark.parametrize("first_id", [0, 2**40], ids=["narrow-ids", "wide-ids"])
+@pytest.mark.parametrize("max_distance_m", [None, 300_000.0], ids=["all-found", "bounded"])
+def test_ids_an_engine_gathers_give_the_tables_the_rows_give(
+    first_id: int, max_distance_m: float | None
+) -> None:
+    limits = Limits()
+    answers = []
+    for engine in (CPUEngine(), _GatheringEngine()):
+        store = DatasetStore(engine, None, limits)
+        for name, n in (("left", 700), ("right", 300)):
+            lat, lon = clustered_points(n, seed=1, n_clusters=5, spread_m=200_000.0)
+            ids = first_id + 7 * np.arange(n, dtype=np.int64)
+            store.upload(name, "create", pa.table({"id": ids, "lat": lat, "lon": lon}))
+        sides = join_sides(store.get("left"), store.get("right"), right_columns=["lat"])
+        join = knn_join(sides, 4, max_distance_m=max_distance_m, limits=limits)
+        (piece,) = knn_join_slices(join)
+        answers.append(
+            (
+                piece,
+                {
+                    (layout, narrow): piece.table(EARTH_RADIUS_M, layout, narrow_ids=narrow)
+                    for layout in common.LAYOUTS
+                    for narrow in (False, True)
+                },
+            )
+        )
+    (made, want), (gathered, got) = answers
+    assert made.found.gathered_ids is None and gathered.found.gathered_ids is not None
+    missing = (gathered.found.indices < 0).sum()
+    assert (missing > 0) == (max_distance_m is not None) and missing < gathered.found.indices.size
+    for key, table in want.items():
+        assert got[key].equals(table, check_metadata=True), key

@@ -388,8 +388,9 @@ class GPUIndex(PointIndex):
         self.points = cp.empty((n, 4), dtype=cp.float32)
         self.rows = cp.empty(n, dtype=cp.int32)
         self._rank: cp.ndarray | None = None
-        self._lazy_lock = threading.Lock()  # for the rank and the degrees, made once asked
+        self._lazy_lock = threading.Lock()  # for what is made once asked: rank, degrees, ids
         self._degrees: tuple[cp.ndarray, cp.ndarray] | None = None  # once asked (areas, joins)
+        self._ids: tuple[np.ndarray, cp.ndarray] | None = None  # once asked (``_kept_ids``)
         self.box_lo = cp.empty((int(sum(counts)), 4), dtype=cp.float32)
         self.box_hi = cp.empty_like(self.box_lo)
         self.leaf_keys = cp.empty(counts[0], dtype=cp.uint64)  # each leaf's first key
@@ -468,6 +469,7 @@ class GPUIndex(PointIndex):
         arrays = [self.xyz, self.points, self.rows, self.box_lo, self.box_hi, self.leaf_keys]
         arrays += [] if self._rank is None else [self._rank]
         arrays += [] if self._degrees is None else list(self._degrees)
+        arrays += [] if self._ids is None else [self._ids[1]]
         table = 0 if self.table is None else self.table.nbytes
         return int(sum(a.nbytes for a in arrays) + 16 * (self.top_level + 1) + table)
 
@@ -563,12 +565,48 @@ class GPUIndex(PointIndex):
     def knn(
         self, lat: np.ndarray, lon: np.ndarray, k: int, max_distance_m: float | None = None
     ) -> Neighbours:
+        return self._knn(lat, lon, k, max_distance_m, None)
+
+    @gpu_memory.out_of_memory_guard("a KNN query")
+    def knn_with_ids(
+        self,
+        lat: np.ndarray,
+        lon: np.ndarray,
+        k: int,
+        max_distance_m: float | None,
+        ids: np.ndarray,
+    ) -> Neighbours:
+        """``knn``, each neighbour's id gathered on the device from a copy of ``ids``
+        kept with the index (``_kept_ids``) and sent to the host with the rows."""
+        return self._knn(lat, lon, k, max_distance_m, self._kept_ids(ids))
+
+    def _kept_ids(self, ids: np.ndarray) -> cp.ndarray:
+        """A device copy of ``ids`` (one a row), made on the first call with that array
+        and kept with the index while its callers pass the same one (a dataset version's
+        ids are one array for its life)."""
+        if ids.shape[0] != self.n_points:
+            raise ValueError(f"{ids.shape[0]} ids for an index of {self.n_points} points")
+        with self._lazy_lock:
+            if self._ids is None or self._ids[0] is not ids:
+                self._ids = (ids, cp.asarray(ids))
+            return self._ids[1]
+
+    def _knn(
+        self,
+        lat: np.ndarray,
+        lon: np.ndarray,
+        k: int,
+        max_distance_m: float | None,
+        device_ids: cp.ndarray | None,
+    ) -> Neighbours:
         n_q, kk = int(np.shape(lat)[0]), min(int(k), self.n_points)
         if kk <= 0 or n_q == 0 or (max_distance_m is not None and max_distance_m < 0):
             return Neighbours(np.full((n_q, max(kk, 0)), np.inf), np.full((n_q, max(kk, 0)), -1))
-        # The search kernel writes the answers straight into page-locked host memory.
+        # The answers go straight into page-locked host memory: the search kernel writes
+        # them there itself, or, with ids to gather, they are copied there after it.
         out_dist = cupyx.empty_pinned((n_q, kk), dtype=np.float64)
         out_idx = cupyx.empty_pinned((n_q, kk), dtype=np.int64)
+        out_ids = None if device_ids is None else cupyx.empty_pinned((n_q, kk), device_ids.dtype)
         chunks = _query_chunks(n_q)
         streams = _side_streams(len(chunks))
         ready = cp.cuda.get_current_stream().record()  # the index, built on this stream
@@ -578,11 +616,18 @@ class GPUIndex(PointIndex):
                 with stream:
                     queries = _Queries(lat[start:stop], lon[start:stop], self)
                     host_out = (out_dist[start:stop], out_idx[start:stop])
-                    self.knn_device(queries, kk, max_distance_m, host_out)
-        finally:  # also on an error: no kernel may go on writing into freed memory
+                    if device_ids is None or out_ids is None:
+                        self.knn_device(queries, kk, max_distance_m, host_out)
+                    else:
+                        dist, idx = self.knn_device(queries, kk, max_distance_m)
+                        dist.get(out=host_out[0], blocking=False)
+                        idx.get(out=host_out[1], blocking=False)
+                        found = device_ids.take(cp.maximum(idx, 0))  # any id where idx is -1
+                        found.get(out=out_ids[start:stop], blocking=False)
+        finally:  # also on an error: no kernel or copy may go on writing into freed memory
             for stream in streams:
                 stream.synchronize()
-        return Neighbours(distances_m=out_dist, indices=out_idx)
+        return Neighbours(distances_m=out_dist, indices=out_idx, ids=out_ids)
 
     def knn_device(
         self,

@@ -126,9 +126,15 @@ def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
     earlier queries)."""
     q = query
     per_query = q.rows_per_query
+    # The answer's ids, gathered by the engine where it can (``knn_with_ids``): those of
+    # a dataset's own index, not of a filter's, which is built for the call.
+    ids = q.dataset.narrow_ids if q.points.rows is None else None
 
     def search(start: int, stop: int) -> Neighbours:
-        return q.points.index.knn(q.lat[start:stop], q.lon[start:stop], q.k, q.max_distance_m)
+        lat, lon = q.lat[start:stop], q.lon[start:stop]
+        if ids is None:
+            return q.points.index.knn(lat, lon, q.k, q.max_distance_m)
+        return q.points.index.knn_with_ids(lat, lon, q.k, q.max_distance_m, ids)
 
     blocks = fixed_slices(q.n_queries, per_query, search_rows(q.dataset))
     for start, stop, found in searched_ahead(blocks, search):
@@ -139,9 +145,10 @@ def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
                 indices=grid.indices[a:b],
                 distances_m=grid.distances_m[a:b],
                 first_query=grid.first_query + a + offset,
+                gathered_ids=None if grid.gathered_ids is None else grid.gathered_ids[a:b],
             )
 
 
 def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:
     rows = q.points.dataset_rows(found.indices)
-    return NeighbourGrid(q.dataset, rows, found.distances_m, first_query, q.columns)
+    return NeighbourGrid(q.dataset, rows, found.distances_m, first_query, q.columns, found.ids)
