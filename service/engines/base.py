@@ -169,8 +169,8 @@ class PointIndex(ABC):
         dataset's ids) in ``Neighbours.ids`` where the engine gathers it where it
         searches, for less than the caller's gather on the host would cost. The GPU
         engine does (on the device: 5M narrow ids of a 1M x 5 join come back with the
-        rows instead of a 20 ms host gather); by default ``ids`` is None and the caller
-        gathers."""
+        rows instead of a 20 ms host gather); by default ``Neighbours.ids`` is None and
+        the caller gathers."""
         return self.knn(lat, lon, k, max_distance_m)
 
     @abstractmethod

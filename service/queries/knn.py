@@ -126,8 +126,9 @@ def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
     earlier queries)."""
     q = query
     per_query = q.rows_per_query
-    # The answer's ids, gathered by the engine where it can (``knn_with_ids``): those of
-    # a dataset's own index, not of a filter's, which is built for the call.
+    # The answer's ids, gathered by the engine where it can (``knn_with_ids``), over a
+    # dataset's own index; a filter's index numbers the points it selects, and its
+    # answer's ids are gathered on the host.
     ids = q.dataset.narrow_ids if q.points.rows is None else None
 
     def search(start: int, stop: int) -> Neighbours:
