@@ -58,7 +58,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import cupy as cp
 import cupyx
@@ -199,6 +199,7 @@ def _blocks(n: int, threads: int = _THREADS) -> int:
 
 _NULL = np.uint64(0)  # a null pointer argument
 _streams = threading.local()
+T = TypeVar("T")
 
 
 def _side_streams(count: int) -> list[cp.cuda.Stream]:
@@ -211,6 +212,13 @@ def _side_streams(count: int) -> list[cp.cuda.Stream]:
     while len(streams) < count:
         streams.append(cp.cuda.Stream(non_blocking=True))
     return streams[:count]
+
+
+def _kept(made: T) -> T:
+    """``made`` (device arrays kept with an index), once the current stream has made
+    it: another thread may read it at once, on streams of its own."""
+    cp.cuda.get_current_stream().synchronize()
+    return made
 
 
 def _query_chunks(n: int) -> list[tuple[int, int]]:
@@ -497,10 +505,10 @@ class GPUIndex(PointIndex):
 
     def _kept_degrees(self, lat: np.ndarray, lon: np.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """A device copy of the points' degrees, in row order, made on the first call
-        (16 bytes a point, kept with the index)."""
+        (16 bytes a point, kept with the index; ``_kept``)."""
         with self._lazy_lock:
             if self._degrees is None:
-                self._degrees = _degrees_device(lat, lon)
+                self._degrees = _kept(_degrees_device(lat, lon))
             return self._degrees
 
     @gpu_memory.out_of_memory_guard("testing points against an area")
@@ -588,7 +596,7 @@ class GPUIndex(PointIndex):
             raise ValueError(f"{ids.shape[0]} ids for an index of {self.n_points} points")
         with self._lazy_lock:
             if self._ids is None or self._ids[0] is not ids:
-                self._ids = (ids, cp.asarray(ids))
+                self._ids = (ids, _kept(cp.asarray(ids)))
             return self._ids[1]
 
     def _knn(
