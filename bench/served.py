@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,15 +108,21 @@ def served_engine(
 
 @contextlib.contextmanager
 def served_process(
-    engine: str, *, log_dir: Path | None = None, settings: Mapping[str, str] | None = None
+    engine: str,
+    *,
+    log_dir: Path | None = None,
+    settings: Mapping[str, str] | None = None,
+    cli: Sequence[str] | None = None,
 ) -> Iterator[ServedProcess]:
-    """As :func:`served_engine`, yielding the process too (for its CPU time)."""
+    """As :func:`served_engine`, yielding the process too (for its CPU time). ``cli``
+    is the command that runs geonear's command line (``python -m geonear`` by default):
+    a benchmark's own, which changes the server before it starts."""
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_path = folder / f"serve-{engine}.log"
         args = [
-            sys.executable,
-            *("-m", "geonear", "serve", "--host", "127.0.0.1", "--port", "0"),
+            *(cli or (sys.executable, "-m", "geonear")),
+            *("serve", "--host", "127.0.0.1", "--port", "0"),
             *("--memory-only", "--engine", engine, "--no-request-log"),
         ]
         env = {**os.environ, "GEONEAR_MAX_QUERY_POINTS": str(10**8), **(settings or {})}

@@ -3,8 +3,8 @@
 ``python benchmarks/served_join.py [--engine gpu] [--points 1000000] [--calls 7]
 [--variants base,switch,big,base,switch,big] [--json out.json]``
 
-Each variant runs in a ``geonear serve --memory-only`` process of its own, started by
-this script with the variant applied before the server starts; the Python client
+Each variant runs in a ``geonear serve --memory-only`` process of its own, started
+through this script, which applies the variant before the server starts; the Python client
 uploads ``--points`` uniform left and right points and calls ``knn_join(left, right,
 k=5, layout="per_query", as_arrow=True)`` ``--calls`` times, the first untimed. Listing a
 variant more than once alternates them, so that a host's drift shows. Variants:
@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import geonear
+from geonear.bench.served import served_process
 from geonear.loaders.synthetic import uniform_points
 
 K = 5
 VARIANTS = ("base", "switch", "big")
-START_TIMEOUT_S = 180.0
 
 
 def apply_variant(variant: str) -> None:
@@ -60,36 +57,10 @@ def apply_variant(variant: str) -> None:
 
 
 def server_env(variant: str) -> dict[str, str]:
-    env = {**os.environ, "GEONEAR_MAX_QUERY_POINTS": str(10**8)}
-    if variant == "big":
-        env.update(MALLOC_MMAP_THRESHOLD_=str(8 << 20), MALLOC_TRIM_THRESHOLD_=str(64 << 20))
-    return env
-
-
-def start_server(variant: str, engine: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """A server process of ``variant`` and its target, once it listens."""
-    args = [sys.executable, __file__, "--serve", variant, "--", "serve", "--host", "127.0.0.1"]
-    args += ["--port", "0", "--memory-only", "--engine", engine, "--no-request-log"]
-    env = server_env(variant)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=out, env=env)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        text = log.read_text(errors="replace")
-        line = next((ln for ln in text.splitlines() if "listening on" in ln), None)
-        if line is not None:
-            port = int(line.split()[-1].rsplit(":", 1)[1].rstrip(")"))
-            return proc, f"127.0.0.1:{port}"
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the {variant} server did not start: {text.strip()[-500:]}")
-        time.sleep(0.1)
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds process ``pid`` has used, user and system (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The environment ``variant`` adds to its server's."""
+    if variant != "big":
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(8 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 
 def check_answer(table: pa.Table, n: int) -> None:
@@ -107,26 +78,22 @@ def time_variant(variant: str, engine: str, points: int, calls: int) -> dict[str
     for name, seed in (("left", 0), ("right", 1)):
         lat, lon = uniform_points(points, seed)
         tables[name] = pa.table({"id": np.arange(points), "lat": lat, "lon": lon})
-    with tempfile.TemporaryDirectory() as folder:
-        proc, target = start_server(variant, engine, Path(folder) / "serve.log")
-        try:
-            client = geonear.connect(target)
-            for name, table in tables.items():
-                client.upload(name, table)
-            walls, server_cpu, client_cpu = [], [], []
-            for i in range(calls):
-                server_before, client_before = cpu_s(proc.pid), time.process_time()
-                start = time.perf_counter()
-                table = client.knn_join("left", "right", K, layout="per_query", as_arrow=True)
-                if i:
-                    walls.append(time.perf_counter() - start)
-                    server_cpu.append(cpu_s(proc.pid) - server_before)
-                    client_cpu.append(time.process_time() - client_before)
-                check_answer(table, points)
-            client.close()
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    cli = (sys.executable, __file__, "--serve", variant)
+    with served_process(engine, settings=server_env(variant), cli=cli) as server:
+        client = geonear.connect(server.target)
+        for name, table in tables.items():
+            client.upload(name, table)
+        walls, server_cpu, client_cpu = [], [], []
+        for i in range(calls):
+            server_before, client_before = server.cpu_s() or 0.0, time.process_time()
+            start = time.perf_counter()
+            table = client.knn_join("left", "right", K, layout="per_query", as_arrow=True)
+            if i:
+                walls.append(time.perf_counter() - start)
+                server_cpu.append((server.cpu_s() or 0.0) - server_before)
+                client_cpu.append(time.process_time() - client_before)
+            check_answer(table, points)
+        client.close()
     return {
         "variant": variant,
         "fastest_ms": 1e3 * min(walls),
@@ -174,5 +141,5 @@ def serve(variant: str, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--serve":
-        raise SystemExit(serve(sys.argv[2], sys.argv[4:]))
+        raise SystemExit(serve(sys.argv[2], sys.argv[3:]))
     main()
