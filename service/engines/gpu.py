@@ -614,7 +614,12 @@ class GPUIndex(PointIndex):
         # them there itself, or, with ids to gather, they are copied there after it.
         out_dist = cupyx.empty_pinned((n_q, kk), dtype=np.float64)
         out_idx = cupyx.empty_pinned((n_q, kk), dtype=np.int64)
-        out_ids = None if device_ids is None else cupyx.empty_pinned((n_q, kk), device_ids.dtype)
+        # With ids to gather: the device's ids, and the host array their answer goes to.
+        gather = (
+            None
+            if device_ids is None
+            else (device_ids, cupyx.empty_pinned((n_q, kk), device_ids.dtype))
+        )
         chunks = _query_chunks(n_q)
         streams = _side_streams(len(chunks))
         ready = cp.cuda.get_current_stream().record()  # the index, built on this stream
@@ -624,18 +629,19 @@ class GPUIndex(PointIndex):
                 with stream:
                     queries = _Queries(lat[start:stop], lon[start:stop], self)
                     host_out = (out_dist[start:stop], out_idx[start:stop])
-                    if device_ids is None or out_ids is None:
+                    if gather is None:
                         self.knn_device(queries, kk, max_distance_m, host_out)
-                    else:
-                        dist, idx = self.knn_device(queries, kk, max_distance_m)
-                        dist.get(out=host_out[0], blocking=False)
-                        idx.get(out=host_out[1], blocking=False)
-                        found = device_ids.take(cp.maximum(idx, 0))  # any id where idx is -1
-                        found.get(out=out_ids[start:stop], blocking=False)
+                        continue
+                    ids, out_ids = gather
+                    dist, idx = self.knn_device(queries, kk, max_distance_m)
+                    dist.get(out=host_out[0], blocking=False)
+                    idx.get(out=host_out[1], blocking=False)
+                    found = ids.take(cp.maximum(idx, 0))  # any id where idx is -1
+                    found.get(out=out_ids[start:stop], blocking=False)
         finally:  # also on an error: no kernel or copy may go on writing into freed memory
             for stream in streams:
                 stream.synchronize()
-        return Neighbours(distances_m=out_dist, indices=out_idx, ids=out_ids)
+        return Neighbours(out_dist, out_idx, None if gather is None else gather[1])
 
     def knn_device(
         self,
