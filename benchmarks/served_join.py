@@ -1,7 +1,7 @@
 """A per-query knn-join through a real server, with variants of the server side by side.
 
 ``python benchmarks/served_join.py [--engine gpu] [--points 1000000] [--calls 7]
-[--variants base,switch,big,base,switch,big] [--json out.json]``
+[--variants base,small,base,small] [--json out.json]``
 
 Each variant runs in a ``geonear serve --memory-only`` process of its own, started
 through this script, which applies the variant before the server starts; the Python client
@@ -13,9 +13,9 @@ variant more than once alternates them, so that a host's drift shows. Variants:
 - ``switch``: the server's thread switch interval at 0.5 ms (``sys.setswitchinterval``)
   instead of 5 ms, so that the event loop's thread takes the GIL back sooner from the
   thread that makes the answer.
-- ``big``: answer messages of 2 MiB (``ANSWER_BATCH_BYTES``, 512 KiB as built) and an
-  8 MiB glibc mmap threshold in the server, so that each message stays on the heap:
-  a quarter as many messages for the same bytes.
+- ``small``: the build before answer messages grew: messages of 512 KiB
+  (``ANSWER_BATCH_BYTES``, 2 MiB as built) under a 768 KiB glibc mmap threshold in the
+  server (8 MiB as built), four times as many messages for the same bytes.
 
 For each run: the fastest and the median call (ms) and the server's and the client's
 CPU time a call (ms, Linux). Every answer is checked: one row a left point, k ids and
@@ -41,7 +41,7 @@ from geonear.bench.served import served_process
 from geonear.loaders.synthetic import uniform_points
 
 K = 5
-VARIANTS = ("base", "switch", "big")
+VARIANTS = ("base", "small", "switch")
 
 
 def apply_variant(variant: str) -> None:
@@ -50,17 +50,17 @@ def apply_variant(variant: str) -> None:
 
     if variant == "switch":
         sys.setswitchinterval(0.0005)
-    elif variant == "big":
-        servicer.ANSWER_BATCH_BYTES = 2 << 20
+    elif variant == "small":
+        servicer.ANSWER_BATCH_BYTES = 512 << 10
     elif variant != "base":
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
 def server_env(variant: str) -> dict[str, str]:
     """The environment ``variant`` adds to its server's."""
-    if variant != "big":
+    if variant != "small":
         return {}
-    return {"MALLOC_MMAP_THRESHOLD_": str(8 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+    return {"MALLOC_MMAP_THRESHOLD_": str(768 << 10), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 
 def check_answer(table: pa.Table, n: int) -> None:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--engine", default="gpu", help="the servers' engine")
     parser.add_argument("--points", type=int, default=1_000_000, help="left and right points")
     parser.add_argument("--calls", type=int, default=7, help="calls a run, the first untimed")
-    parser.add_argument("--variants", default="base,switch,big,base,switch,big")
+    parser.add_argument("--variants", default="base,small,base,small")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")

@@ -270,7 +270,7 @@ class Client:
         server_name: str | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        tune_allocator("client")
+        tune_allocator()
         self.target = target
         self.timeout_s = timeout_s
         self._secure = bool(tls or tls_ca is not None or tls_cert is not None)

@@ -1,32 +1,26 @@
-"""glibc's allocation thresholds, chosen by what the process does: serve or receive.
+"""glibc's allocation thresholds, the same in every geonear process: server or client.
 
 glibc serves an allocation of 128 KiB or more with a fresh ``mmap`` and unmaps it when
 freed; its dynamic threshold rises only above a size freed before, so a stream of
-same-sized buffers never leaves that path. Two policies follow:
+same-sized buffers never leaves that path. As a mapping, each such buffer costs a page
+fault for every 4 KiB page and an ``munmap``; heap memory, once faulted in, is reused.
+geonear sets an 8 MiB mmap threshold and a 64 MiB trim threshold:
 
-``"server"``: a fixed 768 KiB mmap threshold and a 64 MiB trim threshold. An upload's
-    transient 1 MiB message buffers (the Python client's batches) stay above it: they
-    have mappings of their own, returned when freed, instead of landing in thread
-    arenas that fragment and never shrink. After a 10M-point upload the server holds
-    68 bytes a point, as with a 256 KiB threshold, against 92 with 2 MiB and 192 with
-    glibc's dynamic threshold (docs/benchmarks.md, "Foundation" and "Answer batches of
-    512 KiB"). The server's answers go out in messages below it
-    (``wire.ANSWER_BATCH_BYTES``, 512 KiB), which the trim threshold lets reuse the
-    heap's top instead of giving it back and faulting it in again after each message:
-    a per-query join of 1M x 5 points through the Python client took 773-806 -> 570-608
-    ms on the 2-core host (224 KiB messages under a 256 KiB threshold before).
-``"client"``: an 8 MiB threshold and a 64 MiB trim threshold. A large answer arrives as
-    message bodies of 512 KiB to 1 MiB that gRPC, protobuf and pyarrow copy into fresh
-    buffers one after another; as mappings, each costs a page fault for every 4 KiB page and an
-    ``munmap``, while heap memory, once faulted in, is reused. Measured on the 2-core
-    host, a 16 MB answer in 16 messages: the protobuf parse 8.9 -> 0.9 ms and the Arrow
-    decode 11.9 -> 1.8 ms; up to 64 MiB of freed memory stays with the process.
+- A big answer travels as messages of 2 MiB (``wire.ANSWER_BATCH_BYTES``), which the
+  server's encoder and gRPC, and on the other side gRPC and pyarrow, copy into fresh
+  buffers one after another; below the threshold they reuse the heap, and the trim
+  threshold keeps up to 64 MiB of it from going back after each message. Measured on
+  the 2-core host: a 16 MB answer in 16 messages, the client's protobuf parse 8.9 -> 0.9
+  ms and its Arrow decode 11.9 -> 1.8 ms; a per-query join of 1M x 5 points through the
+  Python client 586 -> 416 ms (median) against 512 KiB messages under a server threshold
+  of 768 KiB (docs/benchmarks.md, "Answer messages of 2 MiB").
+- An upload's 1 MiB messages land on the heap too, in the arenas of gRPC's threads. The
+  server hands their memory back (``geonear.service.host_memory``) once the change is
+  stored and the messages are freed: after a 10M-point upload it holds 68 bytes a point,
+  as it did with the messages mapped above a 768 KiB threshold.
 
-The server's policy wins: a server sets it whatever came before, and a client sets its
-own only in a process that serves nothing (``geonear.connect()`` with no target runs
-both in one process, as a server). Nothing changes where the environment already chose
-(``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), where ``GEONEAR_TUNE_MALLOC=0``,
-or outside glibc.
+Nothing changes where the environment already chose (``MALLOC_MMAP_THRESHOLD_``/
+``MALLOC_TRIM_THRESHOLD_``), where ``GEONEAR_TUNE_MALLOC=0``, or outside glibc.
 """
 
 from __future__ import annotations
@@ -36,23 +30,18 @@ import logging
 import os
 import platform
 import threading
-from typing import Literal
 
 log = logging.getLogger("geonear.memory")
 
-Policy = Literal["server", "client"]
-
-#: (mmap threshold, trim threshold), bytes.
-POLICIES: dict[str, tuple[int, int]] = {
-    "server": (768 << 10, 64 << 20),
-    "client": (8 << 20, 64 << 20),
-}
+#: glibc's mmap threshold and trim threshold, bytes.
+MMAP_THRESHOLD = 8 << 20
+TRIM_THRESHOLD = 64 << 20
 #: mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 _lock = threading.Lock()
-_in_force: str | None = None
+_in_force = False
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -70,26 +59,20 @@ def _load_libc() -> ctypes.CDLL | None:
 libc = _load_libc()
 
 
-def tune_allocator(policy: Policy) -> str | None:
-    """Set ``policy``'s thresholds where this module's rules allow; the policy in force."""
+def tune_allocator() -> bool:
+    """Set the thresholds, once a process, where this module's rules allow; whether set."""
     global _in_force
     with _lock:
-        if _in_force == policy or (policy == "client" and _in_force == "server"):
-            return _in_force
+        if _in_force:
+            return True
         if libc is None or _left_alone():
-            return None
-        mmap_bytes, trim_bytes = POLICIES[policy]
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_bytes) == 1
-        if not (ok and libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1):
+            return False
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        if not (ok and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1):
             log.warning("mallopt failed; large messages and uploads may cost more")
-            return None
-        _in_force = policy
-        return policy
-
-
-def policy_in_force() -> str | None:
-    """The policy this process set ("server", "client"), None where it set none."""
-    return _in_force
+            return False
+        _in_force = True
+        return True
 
 
 def _left_alone() -> bool:

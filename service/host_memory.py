@@ -3,10 +3,12 @@
 An upload passes through transient buffers (received messages, then the stored copy)
 about twice the dataset's size. Without care they stay resident after the change:
 glibc keeps freed heap memory in its per-thread arenas and Arrow's allocator keeps its
-pages. Measured on a 10M-point upload (docs/benchmarks.md): 192 bytes per point
-resident by default, 67 with both measures, against 64 held by the dataset: the
-allocation thresholds of ``geonear.allocator``'s "server" policy (set when the server is
-built) and the release below after every change.
+pages. So the store releases freed memory after every change, and an upload once more
+when its received messages are freed (``servicer._Upload.commit``): below glibc's mmap
+threshold (``geonear.allocator``) they lie on the heap. Measured on a 10M-point upload
+(docs/benchmarks.md): 192 bytes per point resident with glibc's defaults and no
+release, 68 with both, against 64 held by the dataset; 93 when the release came only
+before the messages were freed.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def build_server(
     is (index, count) for one of several processes sharing the port (SO_REUSEPORT):
     its datasets are read-only and the data directory is left as it is.
     """
-    tune_allocator("server")
+    tune_allocator()
     tokens = TokenCheck(load_tokens(settings.auth_tokens)) if settings.auth_tokens else None
     credentials = server_credentials(settings)
     if engine is None:
@@ -415,7 +415,7 @@ def serve(
 
         serve_processes(settings)
         return
-    tune_allocator("server")
+    tune_allocator()
     parts = build_server(settings, engine, worker)
     parts.server.start()
     warning = exposure_warning(settings)

@@ -24,6 +24,7 @@ from geonear.service.calls import CallScope, RequestFeed, in_thread, produced
 from geonear.service.engines import Engine, engine_spec, runnable_engine_names
 from geonear.service.engines.base import MatrixDtype
 from geonear.service.errors import Cancelled, CompactTooLarge, InvalidInput, LimitExceeded
+from geonear.service.host_memory import release_freed_memory
 from geonear.service.queries import dbscan as dbscan_query
 from geonear.service.queries import kmeans as kmeans_query
 from geonear.service.queries.common import NeighbourGrid, NeighbourRows, label_tables
@@ -279,7 +280,18 @@ class _Upload:
         self.batches.append(batch)
 
     def commit(self, scope: CallScope) -> tuple[DatasetVersion, int]:
-        """Store what came: the new version and the rows received."""
+        """Store what came: the new version and the rows received.
+
+        The received batches are views of the messages' bytes, which outlive the change
+        (the store releases freed memory as it commits): released again once they are
+        freed, or below the mmap threshold they would stay resident in the heap.
+        """
+        version = self._store(scope)
+        release_freed_memory()
+        return version, self.rows
+
+    def _store(self, scope: CallScope) -> DatasetVersion:
+        """The change, holding the only references to the received batches."""
         header = self.header
         if header is None:
             raise InvalidInput("the Upload stream was empty")
@@ -290,13 +302,14 @@ class _Upload:
         mode = _MODES.get(header.mode)
         if mode is None:
             raise InvalidInput(f"unknown upload mode {header.mode}")
-        table = pa.Table.from_batches(self.batches, schema=self.decoder.schema)
+        batches, self.batches = self.batches, []
+        table = pa.Table.from_batches(batches, schema=self.decoder.schema)
+        del batches
         # Row numbers as ids are given by the store, under its lock: an append's
         # first number depends on the dataset as the append commits.
         row_numbers = ids_are_row_numbers(table, header.id_column)
         table = normalise_upload(table, header.lat_column, header.lon_column, header.id_column)
-        version = self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
-        return version, self.rows
+        return self.store.upload(header.dataset, mode, table, row_numbers=row_numbers)
 
 
 class GeoNearServicer(pb_grpc.GeoNearServicer):
