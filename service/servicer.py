@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -283,15 +284,21 @@ class _Upload:
         """Store what came: the new version and the rows received.
 
         The received batches are views of the messages' bytes, which outlive the change
-        (the store releases freed memory as it commits): released again once they are
-        freed, or below the mmap threshold they would stay resident in the heap.
+        (the store releases freed memory as it commits); below the mmap threshold they
+        lie on the heap, so their memory is released again once they are freed, whether
+        the change was stored or refused.
         """
-        version = self._store(scope)
-        release_freed_memory()
-        return version, self.rows
+        try:
+            return self._store(scope), self.rows
+        except BaseException as exc:
+            # The refused change's frames would hold the batches until it is answered.
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            self.batches = []
+            release_freed_memory()
 
     def _store(self, scope: CallScope) -> DatasetVersion:
-        """The change, holding the only references to the received batches."""
         header = self.header
         if header is None:
             raise InvalidInput("the Upload stream was empty")
@@ -302,9 +309,8 @@ class _Upload:
         mode = _MODES.get(header.mode)
         if mode is None:
             raise InvalidInput(f"unknown upload mode {header.mode}")
-        batches, self.batches = self.batches, []
-        table = pa.Table.from_batches(batches, schema=self.decoder.schema)
-        del batches
+        table = pa.Table.from_batches(self.batches, schema=self.decoder.schema)
+        self.batches = []
         # Row numbers as ids are given by the store, under its lock: an append's
         # first number depends on the dataset as the append commits.
         row_numbers = ids_are_row_numbers(table, header.id_column)

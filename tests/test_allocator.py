@@ -72,10 +72,14 @@ def _resident_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_an_upload_leaves_the_server_holding_about_the_dataset(tmp_path: Path) -> None:
+@pytest.mark.parametrize("refused", [False, True], ids=["stored", "refused"])
+def test_an_upload_leaves_the_server_holding_about_the_dataset(
+    tmp_path: Path, refused: bool
+) -> None:
     """An upload's messages lie on the heap (1 MiB, below the threshold): handed back
     once the change is stored, about 70 bytes a point stay resident (the dataset, its
-    index and ids); kept, they add about 25 more."""
+    index and ids); kept, they add about 25 more. A refused upload (its dataset exists,
+    found as the change commits) leaves little."""
     points = 3_000_000
     rng = np.random.default_rng(0)
     table = pa.table(
@@ -89,11 +93,18 @@ def test_an_upload_leaves_the_server_holding_about_the_dataset(tmp_path: Path) -
     proc, target = start_server(args, tmp_path / "serve.log", cwd=tmp_path)
     try:
         client = geonear.connect(target)
+        if refused:
+            client.upload("points", table.slice(0, 10))
         before = _resident_bytes(proc.pid)
-        client.upload("points", table)
+        if refused:
+            with pytest.raises(geonear.GeoNearError, match="exists"):
+                client.upload("points", table)
+            assert [d.rows for d in client.datasets()] == [10]
+        else:
+            client.upload("points", table)
         held = (_resident_bytes(proc.pid) - before) / points
         client.close()
     finally:
         proc.kill()
         proc.wait()
-    assert held < 85, f"{held:.1f} bytes a point resident after the upload"
+    assert held < (15 if refused else 85), f"{held:.1f} bytes a point resident after it"
