@@ -310,7 +310,6 @@ class _Upload:
         if mode is None:
             raise InvalidInput(f"unknown upload mode {header.mode}")
         table = pa.Table.from_batches(self.batches, schema=self.decoder.schema)
-        self.batches = []
         # Row numbers as ids are given by the store, under its lock: an append's
         # first number depends on the dataset as the append commits.
         row_numbers = ids_are_row_numbers(table, header.id_column)

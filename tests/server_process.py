@@ -2,7 +2,8 @@
 
 ``start_server(args, log_path, cwd)`` runs ``python ARGS`` (``-m geonear serve ...``, or
 a script that calls ``serve``) with stderr to ``log_path``, waits for the "listening on"
-line and returns the process and its target.
+line and returns the process and its target; ``resident_bytes(pid)`` is a process's
+resident memory.
 """
 
 from __future__ import annotations
@@ -38,3 +39,11 @@ def start_server(
             proc.kill()
             raise AssertionError(f"the server did not start within {timeout_s} s:\n{text}")
         time.sleep(0.02)
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (VmRSS, Linux), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from server_process import start_server
+from server_process import resident_bytes, start_server
 
 import geonear
 from geonear.allocator import libc
@@ -65,13 +65,6 @@ def test_the_environment_and_the_opt_out_are_left_alone() -> None:
     assert _run(code) == "True True"
 
 
-def _resident_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.parametrize("refused", [False, True], ids=["stored", "refused"])
 def test_an_upload_leaves_the_server_holding_about_the_dataset(
     tmp_path: Path, refused: bool
@@ -95,14 +88,14 @@ def test_an_upload_leaves_the_server_holding_about_the_dataset(
         client = geonear.connect(target)
         if refused:
             client.upload("points", table.slice(0, 10))
-        before = _resident_bytes(proc.pid)
+        before = resident_bytes(proc.pid)
         if refused:
             with pytest.raises(geonear.GeoNearError, match="exists"):
                 client.upload("points", table)
             assert [d.rows for d in client.datasets()] == [10]
         else:
             client.upload("points", table)
-        held = (_resident_bytes(proc.pid) - before) / points
+        held = (resident_bytes(proc.pid) - before) / points
         client.close()
     finally:
         proc.kill()

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from server_process import start_server
+from server_process import resident_bytes, start_server
 
 from geonear.clients.client import Client
 from geonear.clients.errors import GeoNearError
@@ -111,13 +111,6 @@ class Sample:
     t: float
     rss_bytes: int
     requests: int
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
 
 
 # -- the server process ------------------------------------------------------------------
@@ -271,7 +264,7 @@ def test_soak_mixed_load_has_no_unexpected_errors_and_memory_stops_growing(tmp_p
                 "stable-strings",
                 pa.table({"id": ids, "lat": lat, "lon": lon, "population": np.ones(lat.shape[0])}),
             )
-        rss_before = _rss_bytes(proc.pid)
+        rss_before = resident_bytes(proc.pid)
 
         def query_loop(seed: int) -> None:
             rng = np.random.default_rng(seed)
@@ -298,12 +291,14 @@ def test_soak_mixed_load_has_no_unexpected_errors_and_memory_stops_growing(tmp_p
             thread.start()
         while time.monotonic() - start < SOAK_S:
             assert proc.poll() is None, "the server exited during the soak"
-            samples.append(Sample(time.monotonic() - start, _rss_bytes(proc.pid), tally.requests))
+            samples.append(
+                Sample(time.monotonic() - start, resident_bytes(proc.pid), tally.requests)
+            )
             time.sleep(SAMPLE_S)
         stop.set()
         for thread in threads:
             thread.join(120)
-        rss_after = _rss_bytes(proc.pid)
+        rss_after = resident_bytes(proc.pid)
         with Client(target, timeout_s=60) as client:
             rows = {d.name: d.rows for d in client.datasets() if d.name in STABLE}
         assert rows == STABLE
