@@ -195,9 +195,10 @@ def take_columns(
         elif not narrow_ids:
             ids = ids.astype(wide.dtype, copy=False)
         taken["id"] = pa.array(ids)
-    for name, degrees in (("lat", dataset.lat), ("lon", dataset.lon)):
-        if name in names:
-            taken[name] = pa.array(_at(degrees, rows), type=pa.float64())
+    if "lat" in names:
+        taken["lat"] = pa.array(_at(dataset.lat, rows), type=pa.float64())
+    if "lon" in names:
+        taken["lon"] = pa.array(_at(dataset.lon, rows), type=pa.float64())
     wanted = [name for name in names if name not in taken]
     if isinstance(rows, slice):
         start, stop, _ = rows.indices(dataset.rows)
@@ -316,14 +317,20 @@ class NeighbourGrid:
     #: (n, k') ids at ``indices`` in the dataset's ``narrow_id_type`` where the engine
     #: gathered them (``PointIndex.knn_with_ids``; any value where ``indices`` is -1).
     gathered_ids: np.ndarray | None = None
+    #: Whether every query is known to have k' neighbours (no -1 in ``indices``): an
+    #: answer without a distance bound. The tables then skip looking for missing ones,
+    #: which reads every row number (a 1M x 5 per-query join's 40 MB of them, on the
+    #: GPU host 10 ms of its assembly, and nothing else reads them there).
+    full: bool = False
 
     def neighbour_rows(self) -> NeighbourRows:
-        valid = self.indices >= 0
+        valid = None if self.full else self.indices >= 0
         n, width = self.indices.shape
         query_index: np.ndarray
         rank: np.ndarray
         ids = self.gathered_ids
-        if valid.all():  # every query has k' neighbours: the layout gives their positions
+        # Where every query has k' neighbours, the layout gives their positions.
+        if valid is None or valid.all():
             query_index = np.repeat(np.arange(n, dtype=np.int64), width)
             rank = np.tile(np.arange(width, dtype=np.int32), n)
             rows, distances = self.indices.reshape(-1), self.distances_m.reshape(-1)
@@ -353,15 +360,16 @@ class NeighbourGrid:
             return self.neighbour_rows().table(earth_radius_m, layout, narrow_ids=narrow_ids)
         n, width = self.indices.shape
         ids = self.gathered_ids
+        full = self.full
         if width == 0:
             # No point searched (a filter that selects none): lists of one null entry,
             # as Arrow's IPC has no use for lists of none.
             width, indices, ids = 1, np.full((n, 1), -1, dtype=np.int64), None
-            distances_m = np.full((n, 1), np.inf)
+            distances_m, full = np.full((n, 1), np.inf), False
         else:
             indices, distances_m = self.indices, self.distances_m
-        missing = indices < 0
-        if missing.any():
+        missing = None if full else indices < 0
+        if missing is not None and missing.any():
             mask = missing.ravel()
             rows = np.where(missing, 0, indices).ravel()
         else:

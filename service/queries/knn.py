@@ -152,4 +152,12 @@ def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
 
 def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:
     rows = q.points.dataset_rows(found.indices)
-    return NeighbourGrid(q.dataset, rows, found.distances_m, first_query, q.columns, found.ids)
+    return NeighbourGrid(
+        q.dataset,
+        rows,
+        found.distances_m,
+        first_query,
+        q.columns,
+        found.ids,
+        full=q.max_distance_m is None,
+    )
