@@ -212,7 +212,7 @@ def tables_to_messages(
     for schema, batch, rows in _stream_parts(tables, batch_bytes):
         yield pb.ArrowData(
             schema=b"" if schema is None else schema.to_pybytes(),
-            record_batch=b"" if batch is None else batch.to_pybytes(),
+            record_batch=b"".join(batch),
             row_count=rows,
         )
 
@@ -231,15 +231,17 @@ def tables_to_encoded(
     tables: Iterable[pa.Table], batch_bytes: int = BATCH_BYTES
 ) -> Iterator[EncodedArrowData]:
     """``tables_to_messages``, each message written in the wire format directly: one
-    copy of the record batch (into the message's bytes) after ``RecordBatch.serialize``,
-    where a protobuf message costs three (Python bytes, the message, its serialization).
-    Measured, a 16 MB answer: see docs/benchmarks.md, "The transport alone"."""
+    copy of the record batch, from its columns into the message's bytes, where a
+    protobuf message costs four (the serialized batch, Python bytes, the message, its
+    serialization). Measured, a 16 MB answer: see docs/benchmarks.md, "The transport
+    alone"."""
     for schema, batch, rows in _stream_parts(tables, batch_bytes):
         parts: list[bytes | pa.Buffer] = []
         if schema is not None:
             parts += [_SCHEMA_TAG, _varint(schema.size), schema]
-        if batch is not None:
-            parts += [_BATCH_TAG, _varint(batch.size), batch, _ROWS_TAG, _varint(rows)]
+        if batch:
+            size = sum(len(part) for part in batch)
+            parts += [_BATCH_TAG, _varint(size), *batch, _ROWS_TAG, _varint(rows)]
         yield EncodedArrowData(b"".join(parts), rows)
 
 
@@ -319,27 +321,69 @@ def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
 
 def _stream_parts(
     tables: Iterable[pa.Table], batch_bytes: int
-) -> Iterator[tuple[pa.Buffer | None, pa.Buffer | None, int]]:
+) -> Iterator[tuple[pa.Buffer | None, list[bytes | pa.Buffer], int]]:
     """(schema, record batch, rows) of each message of one stream: the schema in the
-    first only; an empty stream is one message of the schema alone."""
+    first only; the record batch as the parts of its encapsulated IPC message, its
+    metadata as bytes and its body as views of the columns' buffers (``_MessageParts``),
+    none for a message of the schema alone (an empty stream)."""
     schema: pa.Schema | None = None
     sent_schema = False
+    sink = _MessageParts()
+    writer: pa.ipc.RecordBatchStreamWriter | None = None
     for table in tables:
         table = _decode_dictionaries(table)
         if schema is None:
             schema = table.schema
+            writer = pa.ipc.new_stream(sink, schema)
         elif not table.schema.equals(schema, check_metadata=True):
             raise ValueError(f"tables of one stream differ in schema: {table.schema} != {schema}")
+        assert writer is not None
         row_bytes = max(1, table.nbytes // max(1, table.num_rows))
         for batch in table.to_batches(max_chunksize=max(1, batch_bytes // row_bytes)):
             if batch.num_rows == 0:
                 continue
-            yield (None if sent_schema else schema.serialize()), batch.serialize(), batch.num_rows
-            sent_schema = True
+            writer.write_batch(batch)
+            if sent_schema:
+                yield None, sink.taken(), batch.num_rows
+            else:
+                encoded = schema.serialize()
+                yield encoded, sink.taken(after=encoded.size), batch.num_rows
+                sent_schema = True
     if schema is None:
         raise ValueError("a stream needs at least one table, for its schema")
     if not sent_schema:
-        yield schema.serialize(), None, 0
+        yield schema.serialize(), [], 0
+
+
+class _MessageParts:
+    """A file for pyarrow's IPC stream writer that keeps what it is given: a record
+    batch's metadata as bytes, its body's buffers as the writer passes them, views of
+    the columns (``RecordBatch.serialize`` would copy them first). Written as the
+    writer writes them, the parts are the stream's bytes (``RecordBatch.serialize``'s
+    for a batch, ``Schema.serialize``'s for the schema, which the writer writes before
+    its first batch)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list[bytes | pa.Buffer] = []
+
+    def write(self, data: bytes | pa.Buffer) -> None:
+        self.parts.append(data)
+
+    def flush(self) -> None:
+        pass
+
+    def taken(self, after: int = 0) -> list[bytes | pa.Buffer]:
+        """The parts written since the last call, less their first ``after`` bytes
+        (whole parts: the schema's message before a first batch)."""
+        parts, self.parts = self.parts, []
+        skipped = 0
+        while skipped < after:
+            skipped += len(parts.pop(0))
+        if skipped != after:
+            raise AssertionError(f"the schema's message ends inside a part ({skipped} != {after})")
+        return parts
 
 
 def _decode_dictionaries(table: pa.Table) -> pa.Table:

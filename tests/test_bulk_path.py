@@ -328,6 +328,36 @@ def test_encoded_messages_are_the_protobuf_messages_bytes(rows: int) -> None:
     assert decoded.equals(table) and decoded.schema.metadata == table.schema.metadata
 
 
+def test_record_batches_are_arrows_own_messages_written_from_the_columns() -> None:
+    """Each message's record batch, written from views of the columns, is byte for byte
+    ``RecordBatch.serialize`` of the same rows, and the first message's schema is
+    ``Schema.serialize``: buffers whose lengths need padding, nulls, strings, booleans,
+    slices, and a stream of several tables."""
+    n = 10_007
+    table = pa.table(
+        {
+            "id": pa.array(np.arange(n, dtype=np.int32)),
+            "name": pa.array([None if i % 7 == 0 else f"p{i}" for i in range(n)]),
+            "flag": pa.array(np.arange(n) % 3 == 0),
+            "near": pa.FixedSizeListArray.from_arrays(pa.array(np.random.rand(3 * n)), 3),
+        }
+    ).replace_schema_metadata({"geonear.layout": "per_query"})
+    pieces = [table.slice(0, 5_001), table.slice(5_001, 3), table.slice(5_004)]
+    messages = list(wire.tables_to_messages(pieces, batch_bytes=1 << 16))
+    batches = [
+        batch
+        for piece in pieces
+        for batch in piece.to_batches(
+            max_chunksize=max(1, (1 << 16) // max(1, piece.nbytes // piece.num_rows))
+        )
+    ]
+    assert len(messages) == len(batches) > 3
+    assert messages[0].schema == table.schema.serialize().to_pybytes()
+    assert all(not m.schema for m in messages[1:])
+    assert [m.record_batch for m in messages] == [b.serialize().to_pybytes() for b in batches]
+    assert wire.messages_to_table(messages).equals(table)
+
+
 def test_made_ahead_makes_one_item_ahead_on_another_thread() -> None:
     """made_ahead keeps the order, makes the next item on a thread of its own (one ahead
     at most), raises an item's error at that item, and closing it early closes the
