@@ -434,10 +434,13 @@ class PointSelection:
     def n_points(self) -> int:
         return int(self.index.n_points)
 
-    def dataset_rows(self, found: np.ndarray) -> np.ndarray:
-        """Dataset rows of the index rows ``found``; -1 (no neighbour) stays -1."""
+    def dataset_rows(self, found: np.ndarray, *, full: bool = False) -> np.ndarray:
+        """Dataset rows of the index rows ``found``; -1 (no neighbour) stays -1. ``full``:
+        the caller knows ``found`` has no -1 (``NeighbourGrid.full``), so none is looked for."""
         if self.rows is None or found.size == 0:
             return found
+        if full:
+            return self.rows[found]
         rows = self.rows[np.maximum(found, 0)]
         return np.where(found >= 0, rows, -1) if (found < 0).any() else rows
 

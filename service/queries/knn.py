@@ -151,13 +151,8 @@ def knn_slices(query: KnnQuery, *, offset: int = 0) -> Iterator[NeighbourGrid]:
 
 
 def _grid(q: KnnQuery, found: Neighbours, first_query: int) -> NeighbourGrid:
-    rows = q.points.dataset_rows(found.indices)
+    full = q.max_distance_m is None  # every query has min(k, points searched) neighbours
+    rows = q.points.dataset_rows(found.indices, full=full)
     return NeighbourGrid(
-        q.dataset,
-        rows,
-        found.distances_m,
-        first_query,
-        q.columns,
-        found.ids,
-        full=q.max_distance_m is None,
+        q.dataset, rows, found.distances_m, first_query, q.columns, found.ids, full=full
     )
