@@ -436,7 +436,8 @@ class PointSelection:
 
     def dataset_rows(self, found: np.ndarray, *, full: bool = False) -> np.ndarray:
         """Dataset rows of the index rows ``found``; -1 (no neighbour) stays -1. ``full``:
-        the caller knows ``found`` has no -1 (``NeighbourGrid.full``), so none is looked for."""
+        the caller knows ``found`` has no -1 (a full KNN answer, ``NeighbourGrid.full``, or
+        a radius answer, which lists found neighbours only), so none is looked for."""
         if self.rows is None or found.size == 0:
             return found
         if full:

@@ -152,7 +152,7 @@ def _rows(q: RadiusQuery, found: RadiusNeighbours, first_query: int) -> Neighbou
         q.dataset,
         query_index,
         rank.astype(np.int32),
-        q.points.dataset_rows(found.indices),
+        q.points.dataset_rows(found.indices, full=True),
         found.distances_m,
         q.columns,
         offsets=found.offsets,
