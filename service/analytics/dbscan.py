@@ -293,16 +293,6 @@ def pair_slices(counts: np.ndarray, pairs_per_slice: int) -> list[tuple[int, int
     return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
-def scatter_min(target: Any, index: Any, values: Any, xp: Any) -> None:
-    """``target[index] = min(target[index], values)``, repeated indices included."""
-    if xp is np:
-        np.minimum.at(target, index, values)
-    else:
-        import cupyx
-
-        cupyx.scatter_min(target, index, values)
-
-
 def core_links(
     query_rows: Any, neighbour_rows: Any, core: Any, border_core: Any, xp: Any
 ) -> tuple[Any, Any]:
@@ -312,11 +302,8 @@ def core_links(
     core_q = core[query_rows]
     core_n = core[neighbour_rows]
     border = core_n & ~core_q
-    scatter_min(
-        border_core,
-        query_rows[border].astype(xp.int32),
-        neighbour_rows[border].astype(xp.int32),
-        xp,
+    xp.minimum.at(
+        border_core, query_rows[border].astype(xp.int32), neighbour_rows[border].astype(xp.int32)
     )
     link = core_q & core_n & (query_rows != neighbour_rows)
     return query_rows[link].astype(xp.int32), neighbour_rows[link].astype(xp.int32)
@@ -344,7 +331,7 @@ def min_label_components(
             break
         source, target = source[apart], target[apart]
         root_s, root_t = root_s[apart], root_t[apart]
-        scatter_min(parent, xp.maximum(root_s, root_t), xp.minimum(root_s, root_t), xp)
+        xp.minimum.at(parent, xp.maximum(root_s, root_t), xp.minimum(root_s, root_t))
         while True:
             grand = parent[parent]
             if bool((grand == parent).all()):
@@ -370,7 +357,7 @@ def number_clusters(core: Any, root: Any, border_core: Any, xp: Any) -> tuple[An
     members = xp.flatnonzero(member_root >= 0).astype(xp.int32)
     roots = xp.flatnonzero(core & (member_root == rows))
     first_row = xp.full(n, n, dtype=xp.int32)
-    scatter_min(first_row, member_root[members], members, xp)
+    xp.minimum.at(first_row, member_root[members], members)
     order = xp.argsort(first_row[roots])
     n_clusters = int(roots.shape[0])
     number = xp.full(n, -1, dtype=xp.int64)
@@ -425,7 +412,7 @@ def _dbscan_on_host(
         # A border point's core neighbours, seen from either end of each pair.
         for a, b, a_sees_b in ((first, second, forward), (second, first, backward)):
             joins = a_sees_b & core[b] & ~core[a]
-            scatter_min(border_core, a[joins], b[joins], np)
+            np.minimum.at(border_core, a[joins], b[joins])
         link = core[first] & core[second]
         source, target = first[link], second[link]
         del first, second, forward, backward
