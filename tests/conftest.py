@@ -20,6 +20,7 @@ import pytest
 from geonear.clients.client import Client
 from geonear.loaders.bundled import airports
 from geonear.loaders.synthetic import clustered_points, uniform_points
+from geonear.service.engines import gpu_available, gpu_memory
 from geonear.service.server import create_server
 from geonear.service.settings import ServerSettings
 from geonear.service.store import DatasetStore
@@ -98,6 +99,17 @@ def stub(server: RunningServer) -> Iterator[pb_grpc.GeoNearStub]:
         yield pb_grpc.GeoNearStub(channel)
     finally:
         channel.close()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_pool_as_a_server_sets_it_up(request: pytest.FixtureRequest) -> None:
+    """Before the first GPU test, the process's one device pool is set up as a default
+    ``geonear serve`` sets it up (no size, no managed memory), so that no test's engine
+    options decide the pool of every test after it (the bench's in-process engine asks
+    for a capped 1 GiB pool: first in a run, it failed the large-k KNN tests after it)."""
+    if request.node.get_closest_marker("gpu") is None or not gpu_available()[0]:
+        return
+    gpu_memory.initialise_pool()
 
 
 # -- data -------------------------------------------------------------------------------

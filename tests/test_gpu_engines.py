@@ -9,6 +9,7 @@ answers longer than the kernel sorts itself, k above the register top-k) run too
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from geonear.service.engines import (
     EngineUnavailable,
     create_engine,
     gpu_available,
+    gpu_memory,
 )
 from geonear.service.engines.base import Neighbours
 
@@ -476,6 +478,23 @@ def test_a_failed_device_allocation_is_device_out_of_memory(gpu: Engine) -> None
     # the engine goes on serving
     lat, lon = uniform_points(10, seed=1)
     assert gpu.build_index(lat, lon).knn(lat, lon, 1).indices[:, 0].tolist() == list(range(10))
+
+
+def test_a_later_pool_request_keeps_the_pool_in_use_and_says_so(
+    gpu: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The process's pool was set up with the defaults (conftest's fixture, as a server).
+    in_use = gpu_memory.pool_info()
+    assert in_use is not None and not in_use.managed
+    caplog.set_level(logging.WARNING, logger="geonear.gpu")
+    assert gpu_memory.initialise_pool() is in_use  # asks for nothing else: no warning
+    assert gpu_memory.initialise_pool(1 << 30) is in_use
+    assert gpu_memory.initialise_pool(managed_memory=True) is in_use
+    said = [r.getMessage() for r in caplog.records if r.name == "geonear.gpu"]
+    assert len(said) == 2, said
+    assert in_use.describe() in said[0] and "1073741824 bytes" in said[0]
+    assert "managed" in said[1]
+    assert gpu_memory.pool_info() is in_use
 
 
 def test_unit_vectors_on_the_device_equal_the_host_ones() -> None:

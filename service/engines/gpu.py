@@ -1030,7 +1030,8 @@ class GPUEngine(Engine):
         Sphere radius, metres.
     pool_size_bytes : int, optional
         Device memory pool reserved at first use (``gpu_memory.initialise_pool``); the
-        pool is per process, so only the first engine's setting counts.
+        pool is per process, so only the first engine's setting counts (a later one that
+        asks for another is told so in the log).
     managed_memory : bool
         Managed (unified) memory pool for sets larger than the card; off by default.
     leaf_size : int

@@ -67,6 +67,7 @@ class PoolInfo:
 
 _lock = threading.Lock()
 _pool: PoolInfo | None = None
+_asked: tuple[int | None, bool] = (None, False)  # the call that set the pool up
 _statistics: Any = None  # rmm StatisticsResourceAdaptor when RMM is used
 _cupy_pool: Any = None  # cupy MemoryPool when RMM is not used
 
@@ -87,6 +88,10 @@ def initialise_pool(
 ) -> PoolInfo:
     """Set up the shared device memory pool once per process; later calls return it.
 
+    A later call that asks for another size, or for managed memory where the pool is not
+    managed, gets the pool in use and a warning that names it: the pool cannot change
+    under the arrays already in it.
+
     Parameters
     ----------
     pool_size_bytes : int, optional
@@ -99,10 +104,22 @@ def initialise_pool(
     use_rmm : bool, optional
         Force RMM (error if missing) or CuPy's pool; default: RMM when installed.
     """
-    global _pool, _statistics
+    global _pool, _statistics, _asked
     with _lock:
         if _pool is not None:
+            first_size, first_managed = _asked
+            if (pool_size_bytes is not None and pool_size_bytes != first_size) or (
+                managed_memory and not first_managed
+            ):
+                log.warning(
+                    "GPU memory: the %s set up first in this process stays in use; "
+                    "the pool asked for now (%s%s) is not set up",
+                    _pool.describe(),
+                    "default size" if pool_size_bytes is None else f"{pool_size_bytes} bytes",
+                    ", managed" if managed_memory else "",
+                )
             return _pool
+        _asked = (pool_size_bytes, managed_memory)
         import cupy
 
         free, _ = device_memory()
