@@ -67,7 +67,8 @@ class PoolInfo:
 
 _lock = threading.Lock()
 _pool: PoolInfo | None = None
-_asked: tuple[int | None, bool] = (None, False)  # the call that set the pool up
+# The size the first call asked for (the pool's own is rounded and lowered to the free).
+_asked_size: int | None = None
 _statistics: Any = None  # rmm StatisticsResourceAdaptor when RMM is used
 _cupy_pool: Any = None  # cupy MemoryPool when RMM is not used
 
@@ -104,12 +105,11 @@ def initialise_pool(
     use_rmm : bool, optional
         Force RMM (error if missing) or CuPy's pool; default: RMM when installed.
     """
-    global _pool, _statistics, _asked
+    global _pool, _statistics, _asked_size
     with _lock:
         if _pool is not None:
-            first_size, first_managed = _asked
-            if (pool_size_bytes is not None and pool_size_bytes != first_size) or (
-                managed_memory and not first_managed
+            if (pool_size_bytes is not None and pool_size_bytes != _asked_size) or (
+                managed_memory and not _pool.managed
             ):
                 log.warning(
                     "GPU memory: the %s set up first in this process stays in use; "
@@ -119,7 +119,7 @@ def initialise_pool(
                     ", managed" if managed_memory else "",
                 )
             return _pool
-        _asked = (pool_size_bytes, managed_memory)
+        _asked_size = pool_size_bytes
         import cupy
 
         free, _ = device_memory()
